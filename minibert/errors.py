@@ -1,0 +1,24 @@
+"""User errors: one clear line, exit code 2.
+
+Errors a user can cause (a wrong path, a bad flag, corrupt data) are raised as `UsageError` with a
+message that names the fix. Entry points wrap their `main` in `exit_on_usage_error`, which prints the
+message on one line and exits 2. Bugs are left to raise normally, with their traceback."""
+import functools
+import sys
+
+
+class UsageError(Exception):
+    """Something the user can fix: the message says what to change."""
+
+
+def exit_on_usage_error(main):
+    """Decorator for CLI entry points: UsageError -> `error: <message>` on stderr, exit code 2."""
+    @functools.wraps(main)
+    def wrapper(*args, **kwargs):
+        try:
+            return main(*args, **kwargs)
+        except UsageError as e:
+            message = " ".join(str(e).split())  # always exactly one line
+            print(f"error: {message}", file=sys.stderr, flush=True)
+            sys.exit(2)
+    return wrapper

@@ -1,0 +1,1 @@
+"""Triton kernels, each file a lesson: reference -> kernel -> launcher -> test -> benchmark."""
