@@ -1,0 +1,273 @@
+"""Preprocess: raw text -> token ids in Megatron's `.bin`/`.idx` files, ready for pretraining.
+
+    python minibert/preprocess.py --input corpus.txt --output-prefix data/corpus \\
+        --vocab-file minibert/vocab/bert-base-uncased-vocab.txt --tokenizer-type BertWordPieceLowerCase \\
+        --split-sentences --workers 2
+    -> data/corpus_text_sentence.bin / .idx
+
+The pipeline, per document (one line of the input):
+
+    line bytes --utf-8--> text --(json key)--> text --split_sentences--> ["Dr. X came.", "He left."]
+               --WordPiece--> [[2852, 1012, 1060, 2234, 1012], [2002, 2187, 1012]]  (empty ones dropped)
+               --builder.add_document(tokens, lengths)--> .bin gets the tokens, .idx the boundaries
+
+Inputs, by extension:
+  .json / .jsonl  one JSON object per line; each --json-keys key (default "text") holds the document.
+                  Every line must parse and hold every key (else exit 2 naming the line).
+  anything else   plain text, one document per line. A blank line is an empty document (kept: it
+                  repeats a document index, as in Megatron); the file's final newline adds none.
+
+Outputs `{prefix}_{key}_sentence` with --split-sentences (one sequence per sentence: what BERT's
+sentence-order task needs), else `{prefix}_{key}_document` (one sequence per document; an empty
+document has none). No special tokens are added: the dataset adds [CLS] and [SEP] when it builds
+samples. The bytes are exactly those Megatron's tools/preprocess_data.py writes for the same tokens.
+
+Parallelism: `--workers N` tokenizes batches of lines in N processes. Batches are submitted in order
+and collected in order, at most a few per worker in flight, so the output is byte-identical for any
+N and memory stays bounded on any file size (Pool.imap, which Megatron uses, reads the whole input
+ahead of the workers).
+
+Departures from Megatron's tool, on purpose: plain-text input (Megatron reads JSONL only); our own
+rule-based sentence splitter instead of NLTK Punkt (no downloads; see sentence_split.py);
+--append-eod is refused (BERT samples need no end-of-document token: Megatron's BERT tokenizer
+would append the [EOS] id it adds after vocab.txt's tokens, which BERT never trains on); no
+--partitions / --keep-newlines / --lang. Run it as a script or with -m: worker processes are spawned
+and re-import the main module, which a script piped on stdin does not have."""
+import argparse
+import collections
+import itertools
+import json
+import multiprocessing
+import os
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+
+if __package__ in (None, ""):  # `python minibert/preprocess.py` from a checkout: make `minibert` importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+from minibert.errors import UsageError, exit_on_usage_error  # noqa: E402
+from minibert.indexed_dataset import IndexedDatasetBuilder, best_dtype  # noqa: E402
+from minibert.sentence_split import split_sentences as split_into_sentences  # noqa: E402
+from minibert.tokenizer import build_tokenizer  # noqa: E402
+
+BATCH_LINES = 256  # lines per task sent to a worker: big enough to hide the IPC, small enough to balance
+IN_FLIGHT_PER_WORKER = 4  # batches queued per worker: keeps workers busy, bounds memory
+JSON_EXTENSIONS = (".json", ".jsonl")
+
+
+class DocumentEncoder:
+    """Turns one input line into, per key, (token ids of the document, length of each sequence)."""
+
+    def __init__(self, tokenizer, json_keys, jsonl, split_sentences, dtype, input_path):
+        self.tokenizer, self.json_keys, self.jsonl = tokenizer, json_keys, jsonl
+        self.split_sentences, self.dtype, self.input_path = split_sentences, dtype, input_path
+
+    def texts(self, line_number, offset, raw):
+        """The line's document text for each key; a UsageError naming the line if it is malformed."""
+        where = f"{self.input_path}: line {line_number}"
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise UsageError(f"{where} is not valid UTF-8 (byte {offset + e.start} of the file): "
+                             "re-save the input as UTF-8") from None
+        if line_number == 1:
+            line = line.removeprefix("\ufeff")  # a byte-order mark some editors write
+        if not self.jsonl:
+            return [line.rstrip("\r\n")]
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise UsageError(f"{where} is not JSON ({e.msg}, column {e.colno}): a .json/.jsonl input "
+                             "needs one JSON object per line (use a .txt name for plain text)") from None
+        texts = []
+        for key in self.json_keys:
+            if not isinstance(record, dict) or key not in record:
+                has = ", ".join(map(repr, record)) if isinstance(record, dict) else type(record).__name__
+                raise UsageError(f"{where} has no key {key!r} (it has: {has or 'nothing'}): give every "
+                                 "line that key or pass --json-keys with the right one")
+            if not isinstance(record[key], str):
+                raise UsageError(f"{where}: key {key!r} holds a {type(record[key]).__name__}, not a "
+                                 "string: each document must be one string")
+            texts.append(record[key])
+        return texts
+
+    def encode(self, text):
+        """(tokens [n] in the file dtype, sequence lengths): empty sentences are dropped."""
+        pieces = split_into_sentences(text) if self.split_sentences else [text]
+        ids = [self.tokenizer.tokenize(piece) for piece in pieces]
+        ids = [sentence for sentence in ids if sentence]
+        tokens = np.fromiter(itertools.chain.from_iterable(ids), dtype=self.dtype)
+        return tokens, [len(sentence) for sentence in ids]
+
+    def __call__(self, batch):
+        """[(line number, byte offset, raw line)] -> [(per-key (tokens, lengths), raw byte count)]."""
+        return [([self.encode(text) for text in self.texts(*item)], len(item[2])) for item in batch]
+
+
+_worker_encoder = None  # set once in each worker process by the pool initializer
+
+
+def _init_worker(encoder):
+    global _worker_encoder
+    _worker_encoder = encoder
+
+
+def _encode_in_worker(batch):
+    return _worker_encoder(batch)
+
+
+def _line_batches(path):
+    """Batches of (line number from 1, byte offset, raw bytes) over the file, in order."""
+    batch, offset = [], 0
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, start=1):  # splits after b"\n": the final newline adds no line
+            batch.append((number, offset, raw))
+            offset += len(raw)
+            if len(batch) == BATCH_LINES:
+                yield batch
+                batch = []
+    if batch:
+        yield batch
+
+
+def _encoded_documents(encoder, path, workers):
+    """Every document's encoding, in input order, computed in `workers` processes."""
+    if workers == 1:
+        for batch in _line_batches(path):
+            yield from encoder(batch)
+        return
+    # spawn, not fork: workers start clean (no inherited threads or torch state), the same on every
+    # OS; and unlike multiprocessing.Pool, a worker that dies (killed for memory) raises, never hangs
+    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
+                               initializer=_init_worker, initargs=(encoder,))
+    try:
+        pending = collections.deque()
+        for batch in _line_batches(path):
+            pending.append(pool.submit(_encode_in_worker, batch))
+            if len(pending) >= workers * IN_FLIGHT_PER_WORKER:
+                yield from pending.popleft().result()  # the oldest first: output keeps input order
+        while pending:
+            yield from pending.popleft().result()
+    finally:
+        pool.shutdown(cancel_futures=True)
+
+
+def _check_inputs(input_path, json_keys, workers):
+    if not os.path.isfile(input_path):
+        raise UsageError(f"input file {input_path} does not exist: check --input")
+    if os.path.getsize(input_path) == 0:
+        raise UsageError(f"input file {input_path} is empty (0 bytes): give a file with at least "
+                         "one document")
+    jsonl = input_path.lower().endswith(JSON_EXTENSIONS)
+    if not jsonl and tuple(json_keys) != ("text",):
+        raise UsageError(f"--json-keys only applies to .json/.jsonl input; {input_path} is read as "
+                         "plain text (one document per line, written under the key 'text')")
+    if len(set(json_keys)) != len(json_keys) or not json_keys:
+        raise UsageError(f"--json-keys {' '.join(json_keys)}: give one or more distinct keys")
+    if workers < 1:
+        raise UsageError(f"--workers {workers}: use 1 or more worker processes")
+    return jsonl
+
+
+def _show_progress(bar, docs, done_bytes, start):
+    """The bar counts bytes (so it shows MB/s and a true ETA); docs and docs/s go beside it."""
+    bar.set_postfix_str(f"{docs} docs, {docs / max(time.perf_counter() - start, 1e-9):,.0f} docs/s",
+                        refresh=False)
+    bar.update(done_bytes - bar.n)
+
+
+def preprocess(input_path, output_prefix, tokenizer, json_keys=("text",), split_sentences=False,
+               workers=1, progress=True):
+    """Tokenize `input_path` into one .bin/.idx pair per key; returns the prefixes written.
+    Nothing is left under the output names if anything fails."""
+    jsonl = _check_inputs(input_path, json_keys, workers)
+    dtype = best_dtype(tokenizer.vocab_size)
+    encoder = DocumentEncoder(tokenizer, tuple(json_keys), jsonl, split_sentences, dtype, input_path)
+    level = "sentence" if split_sentences else "document"
+    prefixes = [f"{output_prefix}_{key}_{level}" for key in json_keys]
+    builders = []
+    total_bytes = os.path.getsize(input_path)
+    # The bar redraws itself in place, which only a terminal shows as one line: in a pipe or a log
+    # file it would be a heap of fragments (and bury an error line), so there only the summary prints.
+    on_terminal = getattr(sys.stderr, "isatty", lambda: False)()
+    bar = tqdm(total=total_bytes, unit="B", unit_scale=True, unit_divisor=1000, desc="preprocess",
+               file=sys.stderr, disable=not (progress and on_terminal), smoothing=0.1)
+    docs = sequences = tokens = done_bytes = 0
+    start = time.perf_counter()
+    documents = _encoded_documents(encoder, input_path, workers)
+    try:
+        builders = [IndexedDatasetBuilder(prefix + ".bin", dtype=dtype) for prefix in prefixes]
+        for per_key, n_bytes in documents:
+            for builder, (doc_tokens, lengths) in zip(builders, per_key):
+                builder.add_document(doc_tokens, lengths)
+                sequences += len(lengths)
+                tokens += len(doc_tokens)
+            docs += 1
+            done_bytes += n_bytes
+            if docs % BATCH_LINES == 0:
+                _show_progress(bar, docs, done_bytes, start)
+        for builder, prefix in zip(builders, prefixes):
+            builder.finalize(prefix + ".idx")
+    except BaseException:
+        for builder in builders:
+            builder.abort()
+        bar.leave = False  # clear the bar, so an error is the only line left
+        raise
+    finally:
+        documents.close()  # stops the worker pool now, also when we stopped early on an error
+        _show_progress(bar, docs, done_bytes, start)
+        bar.close()
+    seconds = time.perf_counter() - start
+    if progress:
+        kind = "sentences" if split_sentences else "sequences"
+        outputs = ", ".join(f"{p}.{{bin,idx}}" for p in prefixes)
+        print(f"wrote {outputs}: {docs} documents, {sequences} {kind}, {tokens} tokens in "
+              f"{seconds:.2f} s ({docs / seconds:,.0f} docs/s, {total_bytes / 1e6 / seconds:.2f} MB/s)",
+              flush=True)
+    return prefixes
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    def error(self, message):  # argparse's usage + error lines -> our one line, exit 2
+        raise UsageError(f"{message} (see --help)")
+
+
+def build_parser():
+    parser = _OneLineParser(description=__doc__.splitlines()[0], allow_abbrev=False)
+    parser.add_argument("--input", required=True, help=".json/.jsonl (one JSON object a line) or "
+                        "plain text (one document a line)")
+    parser.add_argument("--output-prefix", required=True, help="writes PREFIX_{key}_{sentence|document}"
+                        ".{bin,idx}")
+    parser.add_argument("--vocab-file", default=None, help="WordPiece vocab.txt (default: the shipped "
+                        "bert-base-uncased vocab)")
+    parser.add_argument("--tokenizer-type", default="BertWordPieceLowerCase",
+                        choices=["BertWordPieceLowerCase", "BertWordPieceCase"],
+                        help="lower-case (uncased vocab) or keep case (cased vocab)")
+    parser.add_argument("--json-keys", nargs="+", default=["text"], help="JSONL keys to extract, "
+                        "one output pair each")
+    parser.add_argument("--split-sentences", action="store_true", help="one sequence per sentence "
+                        "(BERT's sentence-order task needs it)")
+    parser.add_argument("--workers", type=int, default=1, help="tokenizer processes (about one per "
+                        "CPU core)")
+    parser.add_argument("--append-eod", action="store_true", help="GPT-style end-of-document token: "
+                        "not for BERT, refused")
+    return parser
+
+
+@exit_on_usage_error
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    if args.append_eod:
+        raise UsageError("--append-eod is for GPT-style data: BERT has no end-of-document token (the "
+                         "dataset adds [CLS]/[SEP] itself); drop the flag")
+    tokenizer = build_tokenizer(args.tokenizer_type, args.vocab_file)
+    preprocess(args.input, args.output_prefix, tokenizer, json_keys=args.json_keys,
+               split_sentences=args.split_sentences, workers=args.workers)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,104 @@
+"""The default corpus (Python's own docs) and chapter 2's synthetic corpus."""
+import os
+import random
+import re
+import subprocess
+import sys
+
+import pytest
+
+from minibert.corpus import (default_corpus_documents, synthetic_corpus_lines, write_synthetic_corpus,
+                             write_text_atomically)
+from minibert.errors import UsageError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Chapter 2's generator, verbatim but for the output path (reference/001: "创建小型语料文件").
+COURSE_SNIPPET = """
+import json, random
+random.seed(42)
+lines = []
+for i in range(2000):
+    words = ['the', 'model', 'train', 'data', 'gpu', 'batch', 'layer', 'attention'] * random.randint(3, 8)
+    lines.append(' '.join(words[:random.randint(10, 30)]))
+with open(OUTPUT, 'w') as f:
+    f.write('\\n'.join(lines))
+print('raw text ready')
+"""
+
+
+def run(args, cwd=ROOT, hash_seed="0"):
+    env = dict(os.environ, PYTHONHASHSEED=hash_seed)
+    return subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=120)
+
+
+@pytest.fixture(scope="module")
+def documents():
+    return default_corpus_documents()
+
+
+def test_default_corpus_is_big_prose(documents):
+    size = sum(len(d.encode("utf-8")) + 1 for d in documents)  # as written: one line each
+    assert size >= 1_000_000
+    assert len(documents) == len(set(documents))
+    for d in documents:
+        assert "\n" not in d and "\r" not in d and d == d.strip() and "  " not in d
+        sentence_ends = re.findall(r"""[.!?]["')\]]*(?:\s|$)""", d)  # a plain count, not the corpus's rule
+        assert len(sentence_ends) >= 2, d
+        assert ">>>" not in d and "::=" not in d and "+---" not in d, d  # no doctest, grammar, table
+    assert sum(len(re.findall(r"[A-Za-z]", d)) for d in documents) > 0.75 * size  # English letters
+
+
+def test_default_corpus_is_deterministic(documents, tmp_path):
+    assert default_corpus_documents() == documents
+    # Another process with another string-hash seed, through the CLI.
+    output = tmp_path / "corpus.txt"
+    result = run(["-m", "minibert.corpus", "--output", str(output)], hash_seed="12345")
+    assert result.returncode == 0, result.stderr
+    assert output.read_text(encoding="utf-8") == "".join(d + "\n" for d in documents)
+    assert f"wrote {len(documents)} documents" in result.stdout
+    assert os.listdir(tmp_path) == ["corpus.txt"]  # no temporary file left behind
+
+
+def test_synthetic_corpus_is_the_course_file(tmp_path):
+    course, ours = tmp_path / "course.txt", tmp_path / "ours.txt"
+    result = run(["-c", f"OUTPUT = {str(course)!r}\n" + COURSE_SNIPPET])
+    assert result.returncode == 0, result.stderr
+    state = random.getstate()
+    assert write_synthetic_corpus(str(ours)) == 2000
+    assert random.getstate() == state  # the global generator is left alone
+    assert ours.read_bytes() == course.read_bytes()
+    lines = synthetic_corpus_lines()
+    assert len(lines) == 2000 and all(10 <= len(line.split()) <= 30 for line in lines)
+
+
+@pytest.mark.parametrize("entry, in_root", [(["-m", "minibert.corpus"], True),
+                                             ([os.path.join(ROOT, "minibert", "corpus.py")], False)],
+                         ids=["module", "script"])
+def test_cli_synthetic(entry, in_root, tmp_path):
+    """`python -m minibert.corpus` in the checkout; `python path/to/minibert/corpus.py` from anywhere."""
+    output = tmp_path / "sample.txt"
+    result = run([*entry, "--output", str(output), "--synthetic"], cwd=ROOT if in_root else tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "wrote 2000 synthetic lines" in result.stdout
+    assert output.read_text().split("\n") == synthetic_corpus_lines()
+
+
+def test_cli_usage_errors(tmp_path):
+    result = run(["-m", "minibert.corpus", "--output", str(tmp_path / "missing" / "x.txt"), "--synthetic"])
+    assert result.returncode == 2 and "does not exist" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    result = run(["-m", "minibert.corpus", "--output", str(tmp_path), "--synthetic"])
+    assert result.returncode == 2 and "is a directory" in result.stderr
+
+
+def test_failed_write_leaves_the_old_file(tmp_path):
+    path = tmp_path / "corpus.txt"
+    path.write_text("old contents\n")
+    with pytest.raises(UnicodeEncodeError):
+        write_text_atomically(str(path), "new contents " + "\ud800")  # a lone surrogate fails mid-write
+    assert path.read_text() == "old contents\n"
+    assert os.listdir(tmp_path) == ["corpus.txt"]
+    with pytest.raises(UsageError):
+        write_text_atomically(str(tmp_path / "nowhere" / "x.txt"), "text")
