@@ -197,12 +197,13 @@ def build_parser() -> argparse.ArgumentParser:
             continue
         flag = "--" + f.name.replace("_", "-")
         extra = {k: v for k, v in f.metadata.items() if k != "help"}
+        help_text = f.metadata["help"].replace("%", "%%")  # argparse treats % as a format character
         if f.type is bool:
-            parser.add_argument(flag, action="store_true", help=f.metadata["help"])
+            parser.add_argument(flag, action="store_true", help=help_text)
         else:
             kind = {"int": int, "float": float, "str": str, "list": str}[
                 f.type if isinstance(f.type, str) else f.type.__name__]
-            parser.add_argument(flag, type=kind, default=f.default, help=f.metadata["help"], **extra)
+            parser.add_argument(flag, type=kind, default=f.default, help=help_text, **extra)
     return parser
 
 

@@ -1,0 +1,168 @@
+"""What the trainer reports: Megatron's console lines, TensorBoard scalars, and model FLOPs / MFU.
+
+A log line every --log-interval iterations (losses are means over the interval's non-skipped
+iterations; the grad norm is the last update's, before clipping):
+
+    iteration       10/     200 | consumed samples:          160 | elapsed time per iteration (ms): 812.3 |
+    learning rate: 1.000000E-04 | global batch size:    16 | lm loss: 1.023456E+01 |
+    sop loss: 6.931472E-01 | loss scale: 4294967296.0 | grad norm: 3.456 |
+    number of skipped iterations:   0 | number of nan iterations:   0 |          (one line, wrapped here)
+
+On a GPU, after the elapsed time: `throughput per GPU (TFLOP/s/GPU): x | tokens per second: n | MFU: p% |`.
+As in Megatron, the learning rate shown is the one set after the step (the next update's).
+Differences from Megatron: no timestamp prefix; the loss scale is shown in every precision (1.0
+without fp16); an interval of only skipped steps shows nan losses instead of dropping the fields.
+
+Model FLOPs per step (PERF.md), forward + backward (x3) at 2 FLOPs per multiply-add, no recompute:
+
+    F = sum_i [ 6 l (4h^2 + 2 h f) L_i  +  12 l h L_i^2 ]  +  6 (h V + h^2) N_head
+          ^ QKV, out proj, MLP per token   ^ QK^T and PV       ^ LM head (dense + decoder)
+
+with L_i the real (non-padding) tokens of sample i, f the FFN width (4h: 72 l h^2 per token), V the
+padded vocab (the decoder matmul runs over it) and N_head the positions sent through the LM head: every
+real token, or only the masked ones with --sparse-mlm. MFU = FLOP/s per GPU / 790e12 (bf16 dense matmul
+measured on this H200; the datasheet's 989e12 would give 0.8x the figure)."""
+import math
+import time
+
+import torch
+
+PEAK_FLOPS = 790e12  # bf16 matmul measured on one H200 here (PERF.md)
+
+
+def batch_flops(cpu_batch, cfg):
+    """-> (model FLOPs, real tokens) of one micro-batch, counted on the host from its masks."""
+    l, h, f, vocab = cfg.num_layers, cfg.hidden_size, cfg.ffn_size, cfg.padded_vocab_size
+    lengths = cpu_batch["padding_mask"].sum(dim=1).to(torch.float64)  # [b] real tokens per sample
+    tokens = float(lengths.sum())
+    head_positions = float(cpu_batch["loss_mask"].sum()) if cfg.sparse_mlm else tokens
+    flops = (6 * l * (4 * h * h + 2 * h * f) * tokens + 12 * l * h * float((lengths ** 2).sum())
+             + 6 * (h * vocab + h * h) * head_positions)
+    return flops, int(tokens)
+
+
+class IntervalStats:
+    """Sums over the iterations since the last log line; device tensors until the line is printed."""
+
+    def __init__(self, device):
+        self.device = device
+        self.reset()
+
+    def reset(self):
+        self.loss_sums, self.advanced, self.skipped, self.nan = {}, 0, 0, 0
+        self.grad_norm = None
+        self.flops, self.tokens = 0.0, 0
+        self.excluded = 0.0  # seconds spent in evaluation / checkpoints inside this interval
+        self.start = time.perf_counter()
+
+    def add(self, step):
+        if step.skipped:
+            self.skipped += 1
+            # A skipped step with a non-finite loss is a "nan iteration" (Megatron). fp16 only: it
+            # already synchronised to find the overflow, so .item() here costs nothing extra.
+            self.nan += int(any(not math.isfinite(float(v)) for v in step.losses.values()))
+        else:
+            self.advanced += 1
+            for name, value in step.losses.items():
+                self.loss_sums[name] = self.loss_sums.get(name, 0.0) + value
+            self.grad_norm = step.grad_norm
+        self.flops += step.flops
+        self.tokens += step.tokens
+
+    def _sync(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def paused(self):
+        """with stats.paused(): evaluate() -- that time does not count as training time."""
+        stats = self
+
+        class _Pause:
+            def __enter__(self):
+                stats._sync()
+                self.t = time.perf_counter()
+
+            def __exit__(self, *exc):
+                stats._sync()
+                stats.excluded += time.perf_counter() - self.t
+        return _Pause()
+
+    def elapsed(self):
+        self._sync()
+        return time.perf_counter() - self.start - self.excluded
+
+
+class TrainingLogger:
+    """Prints the lines, writes TensorBoard scalars, keeps every record, calls on_log(record)."""
+
+    def __init__(self, cfg, device, on_log=None):
+        self.cfg, self.device, self.on_log = cfg, device, on_log
+        self.history = []
+        self.writer = None
+        if cfg.tensorboard_dir:
+            from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
+            self.writer = SummaryWriter(log_dir=cfg.tensorboard_dir, max_queue=1000)
+
+    def _emit(self, record, line, scalars):
+        print(line, flush=True)
+        if self.writer is not None:
+            for tag, value in scalars.items():
+                self.writer.add_scalar(tag, value, record["iteration"])
+        self.history.append(record)
+        if self.on_log is not None:
+            self.on_log(record)
+
+    def log_train(self, iteration, consumed_samples, optimizer, stats):
+        cfg = self.cfg
+        iterations = stats.advanced + stats.skipped
+        seconds = stats.elapsed() / max(iterations, 1)
+        tflops = stats.flops / iterations / seconds / 1e12 if iterations else 0.0  # one GPU today
+        losses = {name: float(total) / stats.advanced if stats.advanced else float("nan")
+                  for name, total in stats.loss_sums.items()}
+        if not losses:  # every step of the interval was skipped: keep the fields, show nan
+            losses = {"lm loss": float("nan")} | ({"sop loss": float("nan")} if cfg.binary_head else {})
+        record = {"kind": "train", "iteration": iteration, "train_iters": cfg.train_iters,
+                  "consumed_samples": consumed_samples, "elapsed_ms": seconds * 1000.0,
+                  "tflops_per_gpu": tflops, "tokens_per_second": stats.tokens / max(seconds * iterations, 1e-9),
+                  "mfu": tflops * 1e12 / PEAK_FLOPS, "learning_rate": optimizer.param_groups[0]["lr"],
+                  "global_batch_size": cfg.global_batch_size, **losses, "loss_scale": optimizer.loss_scale,
+                  "grad_norm": float(stats.grad_norm) if stats.grad_norm is not None else float("nan"),
+                  "skipped_iterations": stats.skipped, "nan_iterations": stats.nan}
+        parts = [f"iteration {iteration:8d}/{cfg.train_iters:8d}",
+                 f"consumed samples: {consumed_samples:12d}",
+                 f"elapsed time per iteration (ms): {record['elapsed_ms']:.1f}"]
+        if self.device.type == "cuda":
+            parts += [f"throughput per GPU (TFLOP/s/GPU): {tflops:.1f}",
+                      f"tokens per second: {record['tokens_per_second']:.0f}",
+                      f"MFU: {100 * record['mfu']:.1f}%"]
+        parts += [f"learning rate: {record['learning_rate']:.6E}",
+                  f"global batch size: {cfg.global_batch_size:5d}"]
+        parts += [f"{name}: {value:.6E}" for name, value in losses.items()]
+        parts += [f"loss scale: {record['loss_scale']:.1f}", f"grad norm: {record['grad_norm']:.3f}",
+                  f"number of skipped iterations: {stats.skipped:3d}",
+                  f"number of nan iterations: {stats.nan:3d}"]
+        scalars = {**losses, "learning-rate": record["learning_rate"], "loss-scale": record["loss_scale"],
+                   "grad-norm": record["grad_norm"], "throughput": tflops}
+        self._emit(record, " | ".join(parts) + " |", scalars)
+        stats.reset()
+
+    def log_evaluation(self, iteration, split_name, losses):
+        """`validation loss at iteration 50 | lm loss value: x | lm loss PPL: y | ...`; split_name None for
+        the evaluations during training, "validation set" / "test set" for those at the end."""
+        prefix = f"iteration {iteration}" + (f" on {split_name}" if split_name else "")
+        kind = "test" if split_name == "test set" else "validation"
+        parts = [f"validation loss at {prefix}"]
+        record = {"kind": kind, "iteration": iteration}
+        scalars = {}
+        for name, value in losses.items():
+            ppl = math.exp(min(20.0, value))  # Megatron caps the exponent so the PPL stays printable
+            parts += [f"{name} value: {value:.6E}", f"{name} PPL: {ppl:.6E}"]
+            record[name], record[f"{name} PPL"] = value, ppl
+            scalars[f"{name} {kind}"], scalars[f"{name} {kind} ppl"] = value, ppl
+        line = " | ".join(parts) + " |"
+        dashes = "-" * (len(line) + 1)
+        self._emit(record, f"{dashes}\n{line}\n{dashes}", scalars)
+
+    def close(self):
+        if self.writer is not None:
+            self.writer.close()

@@ -1,0 +1,278 @@
+"""The trainer end to end on CPU: tiny BERTs trained on a little real English (minibert.corpus) through
+the command line, as a user runs it. A small vocab (the corpus's most frequent WordPieces) keeps the
+LM head cheap enough for a 2-core machine."""
+import collections
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from minibert import checkpoint
+from minibert.config import Config, validate
+from minibert.corpus import default_corpus_documents
+from minibert.preprocess import preprocess
+from minibert.tokenizer import BertWordPieceTokenizer
+from minibert.train import (MicroBatchSampler, build_data_iterator, build_datasets, build_model_and_optimizer,
+                            main, train, train_step)
+from minibert.training_log import IntervalStats, TrainingLogger, batch_flops
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TRAIN_PY = os.path.join(ROOT, "minibert", "train.py")
+SPECIAL = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+NUM = r"[-+]?\d\.\d{6}E[-+]\d{2}"
+LOG_LINE = re.compile(
+    r"^iteration +(\d+)/ +(\d+) \| consumed samples: +(\d+) \| elapsed time per iteration \(ms\): \d+\.\d \| "
+    rf"learning rate: ({NUM}) \| global batch size: +(\d+) \| lm loss: ({NUM}) \| sop loss: ({NUM}) \| "
+    r"loss scale: (\d+\.\d) \| grad norm: (\d+\.\d{3}) \| number of skipped iterations: +(\d+) \| "
+    r"number of nan iterations: +(\d+) \|$")
+VALID_LINE = re.compile(rf"^validation loss at iteration (\d+)( on validation set| on test set)? \| "
+                        rf"lm loss value: ({NUM}) \| lm loss PPL: ({NUM}) \| sop loss value: ({NUM}) \| "
+                        rf"sop loss PPL: ({NUM}) \|$")
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    """400 documents of the default corpus; a 1.5k-token vocab made of their most frequent WordPieces;
+    the corpus preprocessed with it (sentences), and a few documents with the full BERT vocab."""
+    d = tmp_path_factory.mktemp("train")
+    docs = default_corpus_documents()[:400]
+    corpus = d / "corpus.txt"
+    corpus.write_text("".join(doc + "\n" for doc in docs))
+    full = BertWordPieceTokenizer()
+    counts = collections.Counter(i for doc in docs for i in full.tokenize(doc))
+    frequent = [full.inv_vocab[i] for i, _ in counts.most_common() if full.inv_vocab[i] not in SPECIAL]
+    vocab = d / "vocab.txt"
+    vocab.write_text("".join(t + "\n" for t in SPECIAL + frequent[:1500]))
+    prefix = preprocess(str(corpus), str(d / "corpus"), BertWordPieceTokenizer(str(vocab)),
+                        split_sentences=True, progress=False)[0]
+    few = d / "few.txt"
+    few.write_text("".join(doc + "\n" for doc in docs[:60]))
+    full_prefix = preprocess(str(few), str(d / "full"), full, split_sentences=True, progress=False)[0]
+    return {"dir": d, "prefix": prefix, "vocab": str(vocab), "full_prefix": full_prefix}
+
+
+def tiny_args(data, *extra):
+    args = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
+            "--micro-batch-size", "4", "--global-batch-size", "8", "--lr", "3e-3", "--lr-warmup-iters", "2",
+            "--data-path", data["prefix"], "--vocab-file", data["vocab"], "--split", "90,5,5",
+            "--num-workers", "0", "--eval-iters", "2", "--distributed-backend", "gloo"]
+    return args + [str(e) for e in extra]
+
+
+def run_cli(args, env_extra=None):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", **(env_extra or {})}
+    env.pop("WORLD_SIZE", None)
+    # torch.set_num_threads(1) in the child: OMP_NUM_THREADS=1 does it for torch's CPU ops
+    return subprocess.run([sys.executable, TRAIN_PY] + args, capture_output=True, text=True, env=env,
+                          cwd=str(ROOT), timeout=600)
+
+
+def train_lines(stdout):
+    return [LOG_LINE.match(line) for line in stdout.splitlines() if line.startswith("iteration ")]
+
+
+def test_log_format_loss_decrease_tensorboard_and_checkpoints(data):
+    save, tb = data["dir"] / "run1", data["dir"] / "tb1"
+    result = run_cli(tiny_args(data, "--train-iters", 40, "--log-interval", 5, "--eval-interval", 20,
+                               "--save", save, "--save-interval", 20, "--tensorboard-dir", tb))
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "building train/valid/test datasets ..." in out and "starting training" in out
+    assert out.index("building train/valid/test datasets ...") < out.index("starting training")
+    lines = train_lines(out)
+    assert len(lines) == 8 and all(lines), [line for line in out.splitlines() if line.startswith("iteration ")]
+    assert [int(m[1]) for m in lines] == list(range(5, 41, 5))
+    assert [int(m[3]) for m in lines] == [8 * i for i in range(5, 41, 5)]
+    assert all(m[2] == "40" and m[5] == "8" and m[8] == "1.0" for m in lines)
+    lm = [float(m[6]) for m in lines]
+    assert lm[0] > 7.0, lm  # about ln(1505) = 7.3 at init: uniform over the vocab
+    assert lm[-1] < lm[0] - 0.5 and sum(lm[4:]) < sum(lm[:4]) - 2.0, lm  # measured: 7.29 -> 6.31
+    assert float(lines[-1][4]) == 0.0  # linear decay to --min-lr 0 at --lr-decay-iters = train-iters
+    valid = [VALID_LINE.match(line) for line in out.splitlines() if line.startswith("validation loss")]
+    assert all(valid) and [(m[1], m[2]) for m in valid] == [
+        ("20", None), ("40", None), ("40", " on validation set"), ("40", " on test set")]
+    # checkpoints: Megatron's layout at the save interval, tracker at the last
+    assert open(save / "latest_checkpointed_iteration.txt").read() == "40"
+    for it in (20, 40):
+        assert os.path.isfile(checkpoint.checkpoint_path(str(save), it))
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = EventAccumulator(str(tb))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"lm loss", "sop loss", "learning-rate", "loss-scale", "grad-norm", "throughput",
+            "lm loss validation", "lm loss validation ppl"} <= tags
+    assert [e.step for e in events.Scalars("lm loss")] == list(range(5, 41, 5))
+    assert [e.value for e in events.Scalars("lm loss")] == pytest.approx(lm, rel=1e-5)
+
+
+def test_exact_resume(data):
+    """Stopped at 6 (--exit-interval) and resumed from its checkpoint, a run logs what an unbroken
+    run logs, with dropout on: weights, Adam, LR, RNG and both data positions come back."""
+    common = ("--train-iters", 12, "--log-interval", 1, "--eval-interval", 4, "--split", "80,20,0")
+    unbroken = run_cli(tiny_args(data, *common, "--save", data["dir"] / "unbroken"))
+    stopped = run_cli(tiny_args(data, *common, "--save", data["dir"] / "resumed", "--exit-interval", 6))
+    resumed = run_cli(tiny_args(data, *common, "--save", data["dir"] / "resumed",
+                                "--load", data["dir"] / "resumed"))
+    for result in (unbroken, stopped, resumed):
+        assert result.returncode == 0, result.stderr
+
+    def comparable(stdout):  # every field but the time
+        lines = [re.sub(r"elapsed time per iteration \(ms\): [\d.]+", "", line) for line in stdout.splitlines()
+                 if line.startswith(("iteration ", "validation loss"))]
+        return lines
+
+    first, second, whole = comparable(stopped.stdout), comparable(resumed.stdout), comparable(unbroken.stdout)
+    assert "loaded checkpoint" in resumed.stdout and any("iteration 4 |" in line for line in first)
+    assert len(train_lines(stopped.stdout)) == 6 and len(train_lines(resumed.stdout)) == 6
+    assert first + second == whole
+    # and bit for bit: the final weights and Adam moments
+    a = checkpoint.load_checkpoint(str(data["dir"] / "unbroken"))
+    b = checkpoint.load_checkpoint(str(data["dir"] / "resumed"))
+    assert a["iteration"] == b["iteration"] == 12
+    for key, value in a["model"].items():
+        assert torch.equal(value, b["model"][key]), key
+    for i, state in a["optimizer"]["adam"]["state"].items():
+        assert torch.equal(state["exp_avg_sq"], b["optimizer"]["adam"]["state"][i]["exp_avg_sq"])
+    # saved at 12 after the evaluations at 4, 8 and 12 (the final one comes after the save)
+    assert (a["consumed_train_samples"], a["consumed_valid_samples"]) == (12 * 8, 3 * 2 * 8)
+
+
+def run_main(argv, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    return info.value.code, err
+
+
+@pytest.mark.parametrize("case", ["prefix", "vocab", "positions", "batch", "warmup", "world", "checkpoint"])
+def test_bad_inputs_exit_2_with_one_line(data, capsys, monkeypatch, case):
+    args = tiny_args(data, "--train-iters", 3)
+    expect = {"prefix": "_text_sentence", "vocab": "--vocab-file", "positions": "--max-position-embeddings",
+              "batch": "--global-batch-size", "warmup": "--lr-decay-iters", "world": "not supported yet",
+              "checkpoint": "model_optim_rng.pt"}
+    if case == "prefix":
+        args[args.index("--data-path") + 1] = data["prefix"][:-len("_text_sentence")]
+    elif case == "vocab":  # data tokenized with the full 30522-token vocab, trained with the small one
+        args[args.index("--data-path") + 1] = data["full_prefix"]
+    elif case == "positions":
+        args += ["--max-position-embeddings", "16"]
+    elif case == "batch":
+        args[args.index("--global-batch-size") + 1] = "6"
+    elif case == "warmup":
+        args += ["--lr-warmup-iters", "3"]
+    elif case == "world":
+        monkeypatch.setenv("WORLD_SIZE", "2")
+    elif case == "checkpoint":
+        load = data["dir"] / "corrupt"
+        path = checkpoint.checkpoint_path(str(load), 3)
+        os.makedirs(os.path.dirname(path))
+        open(path, "wb").write(b"\x00garbage")
+        (load / "latest_checkpointed_iteration.txt").write_text("3")
+        args += ["--load", load]
+    code, err = run_main([str(a) for a in args], capsys)
+    assert code == 2 and len(err) == 1 and err[0].startswith("error:") and expect[case] in err[0], err
+
+
+def test_unknown_flag_exits_2_from_the_command_line(data):
+    result = run_cli(tiny_args(data, "--train-iters", 2, "--no-such-flag", 3))
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--no-such-flag" in lines[0]
+
+
+def test_fp16_on_cpu_warns_once_and_runs_fp32(data):
+    args = tiny_args(data, "--train-iters", 3, "--log-interval", 1, "--eval-iters", 0, "--fp16",
+                     "--save", data["dir"] / "fp16")
+    args.remove("--distributed-backend"), args.remove("gloo")  # the default nccl: its own warning
+    result = run_cli(args)
+    assert result.returncode == 0, result.stderr
+    warnings = [line for line in result.stderr.splitlines() if line.startswith("warning:")]
+    assert len([w for w in warnings if "--fp16" in w]) == 1 and len([w for w in warnings if "nccl" in w]) == 1
+    assert all(m and m[8] == "1.0" for m in train_lines(result.stdout))
+    saved = checkpoint.load_checkpoint(str(data["dir"] / "fp16"))
+    assert saved["args"]["fp16"] is False
+    assert all(v.dtype == torch.float32 for v in saved["model"].values() if v.is_floating_point())
+
+
+def test_bf16_on_cpu_through_the_python_api(data):
+    """The notebook's entry point: train(cfg, on_log=...) in-process, bf16 with fp32 masters."""
+    records = []
+    cfg = Config(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=32, micro_batch_size=4,
+                 global_batch_size=8, train_iters=4, lr=3e-3, lr_warmup_iters=1, data_path=[data["prefix"]],
+                 vocab_file=data["vocab"], split="90,5,5", num_workers=0, eval_iters=1, eval_interval=2,
+                 log_interval=2, bf16=True, distributed_backend="gloo")
+    result = train(cfg, on_log=records.append)
+    assert [r["kind"] for r in records] == ["train", "validation", "train", "validation", "validation", "test"]
+    assert all(torch.isfinite(torch.tensor(r["lm loss"])) for r in records)
+    assert result.iteration == 4 and result.consumed_train_samples == 32
+    assert all(p.dtype == torch.bfloat16 for p in result.model.parameters())
+    assert all(m.dtype == torch.float32 for m in result.optimizer.master_params)
+
+
+def test_micro_batch_order_follows_formats_md():
+    """Iteration t, rank r, micro-batch k holds rows t*G + k*m*DP + r*m + [0, m) (FORMATS.md)."""
+    m, dp, G, consumed = 2, 3, 12, 24
+    per_rank = [list(MicroBatchSampler(100, consumed, m, dp_rank=r, dp_size=dp)) for r in range(dp)]
+    for r in range(dp):
+        for t in range(2):
+            for k in range(G // (m * dp)):
+                start = consumed + t * G + k * m * dp + r * m
+                assert per_rank[r][t * (G // (m * dp)) + k] == list(range(start, start + m))
+    assert all(len(batches) == (100 - consumed) // (m * dp) for batches in per_rank)
+
+
+def test_batch_flops_is_perf_md_formula():
+    cfg = Config(num_layers=3, hidden_size=64, num_attention_heads=4, seq_length=16, vocab_size=1000)
+    l, h, s, V = 3, 64, 16, cfg.padded_vocab_size
+    full = {"padding_mask": torch.ones(2, s, dtype=torch.long), "loss_mask": torch.zeros(2, s, dtype=torch.long)}
+    flops, tokens = batch_flops(full, cfg)
+    per_token = 72 * l * h * h + 12 * l * s * h + 6 * (h * V + h * h)  # PERF.md, no padding, r = 1
+    assert tokens == 2 * s and flops == pytest.approx(2 * s * per_token, rel=1e-12)
+    padded = {"padding_mask": full["padding_mask"].clone(), "loss_mask": full["loss_mask"]}
+    padded["padding_mask"][1, 10:] = 0  # sample 1 has 10 real tokens
+    flops, tokens = batch_flops(padded, cfg)
+    expected = (72 * l * h * h + 6 * (h * V + h * h)) * (s + 10) + 12 * l * h * (s * s + 10 * 10)
+    assert tokens == s + 10 and flops == pytest.approx(expected, rel=1e-12)
+
+
+def test_fp16_overflow_skips_the_update_and_the_lr_step(data, capsys):
+    """Megatron's semantics at the trainer level: an overflowing fp16 step changes no weight, does not
+    advance the LR schedule, is counted as skipped, and its loss is left out of the interval's mean.
+    (fp16 runs on the CPU here by calling the pieces directly; the CLI switches a CPU run to fp32.)"""
+    cfg = Config(num_layers=1, hidden_size=32, num_attention_heads=4, seq_length=32, micro_batch_size=4,
+                 global_batch_size=8, train_iters=4, lr=1e-3, data_path=[data["prefix"]],
+                 vocab_file=data["vocab"], split="90,5,5", num_workers=0, eval_iters=1, fp16=True)
+    validate(cfg)
+    device = torch.device("cpu")
+    _, (train_ds, _, _) = build_datasets(cfg)
+    model, optimizer, scheduler = build_model_and_optimizer(cfg, device)
+    assert model.embedding.word_embeddings.weight.dtype == torch.float16
+    iterator = build_data_iterator(train_ds, 0, cfg, device)
+    before = [p.detach().clone() for p in model.parameters()]
+    stats, logger = IntervalStats(device), TrainingLogger(cfg, device)
+    step = train_step(model, optimizer, scheduler, iterator, cfg, device)  # loss x 2^32: overflows
+    assert step.skipped and step.grad_norm is None
+    stats.add(step)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert scheduler.num_steps == 0
+    optimizer.loss_scaler.scale = 128.0  # small enough for these gradients
+    step = train_step(model, optimizer, scheduler, iterator, cfg, device)
+    assert not step.skipped and scheduler.num_steps == cfg.global_batch_size
+    stats.add(step)
+    capsys.readouterr()
+    logger.log_train(2, 16, optimizer, stats)
+    line = capsys.readouterr().out.strip()
+    assert LOG_LINE.match(line), line
+    assert "number of skipped iterations:   1" in line and "loss scale: 128.0" in line
+    assert f"lm loss: {float(step.losses['lm loss']):.6E}" in line  # the mean leaves the skipped step out
+
+
+def test_help_lists_the_flags(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    assert all(flag in out for flag in ("--exit-interval", "--fp16", "--tensorboard-dir", "--load"))
