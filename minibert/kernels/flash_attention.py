@@ -1,0 +1,376 @@
+"""Flash attention in Triton: attention without ever writing the s x s matrix, with key padding and dropout.
+
+This file is the forward pass; the backward lives next door in flash_attention_bwd.py.
+
+1. Why: memory traffic
+----------------------
+Plain attention, out = softmax(scale * Q K^T + mask) V, materialises the scores S and probabilities P:
+    Q [b, heads, s, d] @ K^T -> S [b, heads, s, s] -> softmax -> P [b, heads, s, s] -> dropout -> P @ V
+For BERT-large at b32 h16 s512 in bf16 one s x s tensor is 32*16*512*512*2 B = 268 MB, while Q, K, V and the
+output are 33.5 MB each. `attention_reference` below (the plain PyTorch version) moves, per layer:
+    forward : write S, read S, write P, read P, write the dropped P', read P'        6 x 268 MB = 1.6 GB
+    backward: write dP', read dP', read P, write dS, read dS twice, read P'   at least 7 x 268 MB = 1.9 GB
+about 3.5 GB, ~0.85 ms at the H200's ~4.1 TB/s, for 0.15 ms of matmul work at 790 TFLOP/s; and P, P' stay
+alive for the backward (537 MB per layer). Flash attention (Dao et al. 2022, FA2 2023) never stores S or P:
+each program keeps a block of query rows in registers and streams K, V past it, so HBM sees Q, K, V and O
+once (~134 MB) plus one float per row (the log-sum-exp) for the backward, which recomputes P from Q, K.
+
+2. Online softmax (the forward)
+-------------------------------
+Softmax needs the row max and row sum over ALL keys, but we see keys one block at a time. Keep, per row,
+a running max m, a running sum l = sum_j exp(s_j - m) and an unnormalised output acc = sum_j exp(s_j - m) v_j.
+When a new block raises the max from m to m', everything summed so far was measured against the old max:
+    alpha = exp(m - m'),   l <- alpha * l + sum_j exp(s_j - m'),   acc <- alpha * acc + exp(s - m') @ V_blk
+and at the end out = acc / l, lse = m + log(l) (saved: P = exp(s - lse) without any max or sum later).
+    keys ->   [ blk 0 ][ blk 1 ][ blk 2 ] ...          one program = BLOCK_M query rows x every key block
+    q rows    [  S_0  ][  S_1  ][  S_2  ]  -> m, l, acc updated after each block; S_j dies in registers
+We work in base 2: exp(x) = exp2(x * log2(e)), and log2(e) is folded into the scale, so one fused
+multiply-add and one exp2 per score; lse is kept in base 2 too (both kernels agree on it).
+
+Padding. BERT batches are right-padded: key j of batch row i is real iff j < length_i. We compute per batch
+row kv_len = 1 + index of its last real key and skip every key block past it, and every query block past it
+(its rows are padding: we write zeros and do no work, also in the backward). Inside the loop the key mask is
+still loaded per block and applied as a -1e30 bias, so any mask (holes, left padding) stays correct; -1e30
+rather than -inf keeps exp2(-1e30 - m) exactly 0 without inf - inf = NaN. A fully padded batch row has
+kv_len = 0: its output is 0 and its gradients are 0, never NaN.
+
+Dropout on P happens inside the kernel: element (batch*heads + head, query, key) draws one Philox number,
+tl.rand(seed, offset) with offset = ((bh * s) + query) * s + key, unique per element; the backward draws the
+same numbers from the same seed, so no mask is stored. The running sum l uses the undropped P (dropout acts
+after softmax); kept values are scaled by 1 / (1 - p) once, on the output.
+
+3. What production does (and we leave to Triton's compiler)
+-----------------------------------------------------------
+FA2 (CUDA) splits work across warps like we split across programs; FA3 on Hopper adds warp specialisation
+(producer warps issue TMA bulk copies, consumer warpgroups run asynchronous wgmma), ping-pong scheduling so
+one warpgroup's softmax hides under the other's matmul, and FP8. Triton pipelines our loads (num_stages)
+and emits wgmma on Hopper by itself; we keep plain pointer loads so one kernel runs everywhere. FA2 also
+draws one Philox call per 16 dropout decisions (8-bit thresholds) where we draw one per element, and
+supports unpadded "varlen" batches (cu_seqlens) that skip padding without any masking.
+"""
+import math
+import os
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from minibert.errors import UsageError
+
+LOG2_E = math.log2(math.e)  # exp(x) = exp2(x * LOG2_E): the scale absorbs it
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_HEAD_DIM = 128  # the d block lives in registers; 128 is what FA2 and our tiles are sized for
+
+
+def attention_reference(q, k, v, padding_mask=None, scale=None, keep_mask=None, dropout_p=0.0):
+    """Plain PyTorch attention, the oracle for tests (any dtype; tests use float64).
+
+    q, k, v [b, heads, s, d]; padding_mask bool [b, s] True = padding key; keep_mask bool [b, heads, s, s]
+    (True = kept) applies dropout with 1/(1-dropout_p) scaling. A row with no real key outputs 0.
+    """
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale              # [b, heads, s, s]
+    if padding_mask is not None:
+        scores = scores.masked_fill(padding_mask[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)             # all-padding rows: NaN -> 0
+    if keep_mask is not None:
+        probs = probs * keep_mask / (1.0 - dropout_p)
+    return torch.matmul(probs, v)                                     # [b, heads, s, d]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Shared pieces (the backward imports these: both passes must mask and drop exactly the same elements)
+# ---------------------------------------------------------------------------------------------------------
+@triton.jit
+def _key_length(KV_LEN, batch, seq_len, HAS_PAD: tl.constexpr):
+    """1 + index of the last real key of this batch row (0 if none); everything past it is skipped."""
+    if HAS_PAD:
+        return tl.load(KV_LEN + batch)
+    return seq_len
+
+
+@triton.jit
+def _key_bias(BIAS, batch, seq_len, cols, kv_len, HAS_PAD: tl.constexpr):
+    """[BLOCK_N] additive bias: 0 for a real key, -1e30 for padding or a column past kv_len.
+    (float32, not the bool mask: 4-byte loads are what Triton's pipeliner prefetches.)"""
+    if HAS_PAD:
+        return tl.load(BIAS + batch * seq_len + cols, mask=cols < kv_len, other=-1.0e30)
+    return tl.where(cols < kv_len, 0.0, -1.0e30)
+
+
+@triton.jit
+def _padding_kernel(PAD, BIAS, KV_LEN, seq_len, BLOCK: tl.constexpr):
+    """Per batch row: BIAS float32 [s] (0 real, -1e30 padding) and KV_LEN = 1 + index of the last real key."""
+    batch = tl.program_id(0)
+    last = tl.zeros([BLOCK], tl.int32)
+    for start in range(0, seq_len, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        inside = cols < seq_len
+        padded = tl.load(PAD + batch * seq_len + cols, mask=inside, other=1) != 0
+        tl.store(BIAS + batch * seq_len + cols, tl.where(padded, -1.0e30, 0.0), mask=inside)
+        last = tl.maximum(last, tl.where(padded, 0, cols + 1))
+    tl.store(KV_LEN + batch, tl.max(last, 0))
+
+
+@triton.jit
+def _dropout_keep(seed, bh, rows, cols, seq_len, dropout_p):
+    """True where P[bh, row, col] survives dropout. rows/cols broadcast to the tile ([M,1] x [1,N] or
+    transposed); one Philox draw per element at offset (bh * s + row) * s + col (int64: no overflow)."""
+    offsets = (bh.to(tl.int64) * seq_len + rows) * seq_len + cols
+    return tl.rand(seed, offsets) >= dropout_p
+
+
+@triton.jit(do_not_specialize=["seed"])
+def _dropout_mask_kernel(KEEP, seq_len, seed, dropout_p, BLOCK: tl.constexpr):
+    """Writes the keep-mask the attention kernels use, KEEP uint8 [b*heads, s, s] (for tests only)."""
+    bh = tl.program_id(1)
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    for start in range(0, seq_len, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        keep = _dropout_keep(seed, bh, rows[:, None], cols[None, :], seq_len, dropout_p)
+        ptrs = KEEP + (bh.to(tl.int64) * seq_len + rows[:, None]) * seq_len + cols[None, :]
+        tl.store(ptrs, keep.to(tl.uint8), mask=(rows[:, None] < seq_len) & (cols[None, :] < seq_len))
+
+
+def dropout_mask(batch, heads, seq_len, seed, dropout_p, device="cpu"):
+    """The kernels' own dropout keep-mask, bool [batch, heads, s, s] (True = kept), for building references."""
+    keep = torch.empty(batch * heads, seq_len, seq_len, dtype=torch.uint8, device=device)
+    block = 32
+    _dropout_mask_kernel[(triton.cdiv(seq_len, block), batch * heads)](keep, seq_len, seed, dropout_p,
+                                                                       BLOCK=block)
+    return keep.view(batch, heads, seq_len, seq_len).bool()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The forward kernel
+# ---------------------------------------------------------------------------------------------------------
+@triton.jit(do_not_specialize=["seed"])
+def _attention_forward_kernel(
+        Q, K, V, O, LSE, BIAS, KV_LEN,
+        stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks,
+        stride_vb, stride_vh, stride_vs, stride_ob, stride_oh, stride_os,
+        n_heads, seq_len, qk_scale, seed, dropout_p, out_scale,
+        HEAD_DIM: tl.constexpr, D_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        HAS_PAD: tl.constexpr, DROPOUT: tl.constexpr):
+    """One program = BLOCK_M query rows of one (batch, head); it streams every key block up to kv_len.
+
+    Program ids run query blocks fastest, then heads, then batch: neighbours share K, V in L2.
+    """
+    n_blocks = tl.cdiv(seq_len, BLOCK_M)
+    bh = tl.program_id(0) // n_blocks                     # = batch * n_heads + head
+    start_m = (tl.program_id(0) % n_blocks) * BLOCK_M
+    batch = bh // n_heads
+    head = bh % n_heads
+    kv_len = _key_length(KV_LEN, batch, seq_len, HAS_PAD)
+
+    rows = start_m + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, D_BLOCK)
+    d_ok = offs_d < HEAD_DIM                              # d=80 runs in a 128-wide block, masked
+    o_ptrs = (O + batch.to(tl.int64) * stride_ob + head * stride_oh
+              + rows[:, None] * stride_os + offs_d[None, :])
+    lse_ptrs = LSE + bh.to(tl.int64) * seq_len + rows
+    if start_m >= kv_len:                                 # only padding here: zeros, no work
+        tl.store(o_ptrs, tl.zeros([BLOCK_M, D_BLOCK], O.dtype.element_ty),
+                 mask=(rows[:, None] < seq_len) & d_ok[None, :])
+        tl.store(lse_ptrs, tl.zeros([BLOCK_M], tl.float32), mask=rows < seq_len)
+        return
+
+    q_ptrs = Q + batch.to(tl.int64) * stride_qb + head * stride_qh + rows[:, None] * stride_qs + offs_d[None, :]
+    k_ptrs = K + batch.to(tl.int64) * stride_kb + head * stride_kh + offs_n[:, None] * stride_ks + offs_d[None, :]
+    v_ptrs = V + batch.to(tl.int64) * stride_vb + head * stride_vh + offs_n[:, None] * stride_vs + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=(rows[:, None] < seq_len) & d_ok[None, :], other=0.0)   # [BLOCK_M, D]
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max (base-2 units)
+    l_i = tl.zeros([BLOCK_M], tl.float32)                 # running sum of exp2(s - m), undropped
+    acc = tl.zeros([BLOCK_M, D_BLOCK], tl.float32)        # running sum of exp2(s - m) @ V
+    for start_n in range(0, kv_len, BLOCK_N):
+        cols = start_n + offs_n
+        kv_mask = (cols[:, None] < kv_len) & d_ok[None, :]
+        k = tl.load(k_ptrs + start_n * stride_ks, mask=kv_mask, other=0.0)           # [BLOCK_N, D]
+        v = tl.load(v_ptrs + start_n * stride_vs, mask=kv_mask, other=0.0)           # [BLOCK_N, D]
+        bias = _key_bias(BIAS, batch, seq_len, cols, kv_len, HAS_PAD)                  # [BLOCK_N]
+        s = tl.dot(q, tl.trans(k)) * qk_scale + bias[None, :]                          # [BLOCK_M, BLOCK_N]
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.math.exp2(s - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)                 # rescales what was summed against the old max
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        if DROPOUT:
+            p = tl.where(_dropout_keep(seed, bh, rows[:, None], cols[None, :], seq_len, dropout_p), p, 0.0)
+        acc = tl.dot(p.to(V.dtype.element_ty), v, acc)
+        m_i = m_new
+
+    # every row saw key kv_len - 1, a real key, so l_i >= 1: no division by zero
+    acc = acc * (out_scale / l_i)[:, None]                # out_scale = 1 / (1 - dropout_p)
+    tl.store(o_ptrs, acc.to(O.dtype.element_ty), mask=(rows[:, None] < seq_len) & d_ok[None, :])
+    tl.store(lse_ptrs, m_i + tl.math.log2(l_i), mask=rows < seq_len)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Tiles: which block sizes each kernel uses (the bench's --sweep times them all on the GPU)
+# ---------------------------------------------------------------------------------------------------------
+class Tile(NamedTuple):
+    """block_m query rows x block_n keys per step. The forward and dq kernels own block_m rows and loop
+    over keys; the dk/dv kernel owns block_n keys and loops over queries. Warps and stages go to Triton."""
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+# Candidates per head-dim block (16/32/64 use the 64 list) and kernel, for the GPU sweep
+# (bench/attention_bench.py --sweep); the FIRST of each list is the default. All compile for sm_90 with
+# triton 3.6 without register spills (ptxas -v); 128-wide heads need fewer rows per warp.
+TILE_CANDIDATES = {
+    # d <= 64: the first of each list won `bench/attention_bench.py --sweep` on an H200 (2026-11-30, triton
+    # 3.6, b32 h16 s512 d64 bf16, key lengths U[256, 512], CUDA-graph timing): forward 104 us, dq 112 us,
+    # dkdv 160 us (0.376 ms for the three).
+    64: {"forward": [Tile(64, 128, 4, 3), Tile(128, 64, 4, 2), Tile(128, 64, 8, 3), Tile(128, 64, 4, 3),
+                     Tile(128, 64, 4, 4), Tile(128, 32, 4, 3), Tile(128, 32, 4, 4), Tile(128, 128, 8, 2),
+                     Tile(64, 64, 4, 3)],
+         "dq": [Tile(64, 32, 4, 3), Tile(64, 32, 4, 4), Tile(64, 32, 4, 5), Tile(64, 64, 4, 3),
+                Tile(64, 64, 4, 4), Tile(128, 32, 4, 4), Tile(128, 64, 8, 3), Tile(32, 32, 4, 4)],
+         "dkdv": [Tile(64, 64, 4, 2), Tile(64, 64, 4, 4), Tile(64, 64, 4, 3), Tile(32, 64, 4, 4),
+                  Tile(32, 64, 4, 3), Tile(16, 128, 4, 5), Tile(64, 128, 8, 3), Tile(32, 128, 8, 4)]},
+    128: {"forward": [Tile(128, 64, 8, 2), Tile(128, 64, 8, 3), Tile(128, 32, 8, 3), Tile(64, 64, 4, 3),
+                      Tile(64, 64, 4, 2), Tile(64, 32, 4, 3), Tile(128, 128, 8, 1)],
+          "dq": [Tile(128, 64, 8, 2), Tile(128, 64, 8, 3), Tile(128, 32, 8, 4), Tile(64, 64, 4, 3),
+                 Tile(64, 32, 4, 4)],
+          "dkdv": [Tile(64, 64, 8, 3), Tile(32, 64, 8, 4), Tile(16, 64, 4, 4), Tile(16, 128, 8, 4),
+                   Tile(32, 128, 8, 4)]},
+}
+FP32_TILES = (Tile(64, 32, 4, 2), Tile(64, 32, 8, 2), Tile(32, 32, 4, 2))  # fp32 tiles are twice the bytes
+# The CPU interpreter runs one program at a time in numpy: small tiles, and different block sizes per
+# kernel so the tests cross every kernel's block boundaries differently.
+INTERPRETER_TILES = (Tile(32, 16, 1, 1), Tile(16, 32, 1, 1), Tile(16, 32, 1, 1))
+
+
+def _interpreting():
+    """The Triton CPU interpreter (tests set TRITON_INTERPRET=1 before importing triton)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def head_dim_block(d):
+    """The power-of-two block the head dim runs in (80 -> 128: the extra lanes are masked)."""
+    return max(16, triton.next_power_of_2(d))
+
+
+DROPOUT_FORWARD_TILES = {64: Tile(128, 64, 8, 3), 128: Tile(128, 64, 8, 2)}  # 4 warps spill with Philox
+
+
+def pick_tiles(head_dim, dtype, dropout=False):
+    """(forward, dq, dkdv) tiles for this head dim and dtype."""
+    if _interpreting():
+        return INTERPRETER_TILES
+    if dtype == torch.float32:
+        return FP32_TILES
+    width = max(64, head_dim_block(head_dim))
+    candidates = TILE_CANDIDATES[width]
+    forward = DROPOUT_FORWARD_TILES[width] if dropout else candidates["forward"][0]
+    return forward, candidates["dq"][0], candidates["dkdv"][0]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Launchers and the autograd Function
+# ---------------------------------------------------------------------------------------------------------
+def check_inputs(q, k, v, padding_mask, dropout_p):
+    """One clear UsageError for anything the kernels do not support."""
+    if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
+        raise UsageError("flash_attention: q, k, v must be torch tensors")
+    if q.dim() != 4 or k.shape != q.shape or v.shape != q.shape:
+        raise UsageError(f"flash_attention supports q, k, v of one shape [batch, heads, seq, head_dim]; got "
+                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if q.dtype not in SUPPORTED_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise UsageError(f"flash_attention supports float16, bfloat16 and float32 (all three alike); got "
+                         f"{q.dtype}, {k.dtype}, {v.dtype}; use --attention-backend local for others")
+    d = q.shape[-1]
+    if d % 8 or not 16 <= d <= MAX_HEAD_DIM:
+        raise UsageError(f"flash_attention supports head dims that are multiples of 8 from 16 to "
+                         f"{MAX_HEAD_DIM} (32, 64, 80, 128...); got {d}: use --attention-backend local")
+    if q.numel() == 0:
+        raise UsageError(f"flash_attention needs non-empty inputs; got shape {tuple(q.shape)}")
+    if not (q.device == k.device == v.device):
+        raise UsageError("flash_attention: q, k, v must be on one device")
+    if q.device.type != "cuda" and not _interpreting():
+        raise UsageError("flash_attention runs on CUDA (or on CPU with TRITON_INTERPRET=1); "
+                         "use --attention-backend local on CPU")
+    if padding_mask is not None and (padding_mask.dtype != torch.bool or padding_mask.device != q.device
+                                     or tuple(padding_mask.shape) != (q.shape[0], q.shape[2])):
+        raise UsageError(f"flash_attention: padding_mask must be bool [batch, seq] = "
+                         f"[{q.shape[0]}, {q.shape[2]}] on {q.device}, True = padding; got "
+                         f"{padding_mask.dtype} {tuple(padding_mask.shape)} on {padding_mask.device}")
+    if not 0.0 <= dropout_p < 1.0:
+        raise UsageError(f"flash_attention: dropout_p must be in [0, 1); got {dropout_p}")
+
+
+def prepare_padding(padding_mask):
+    """bool [b, s] (True = padding) -> (bias float32 [b, s]: 0 or -1e30, kv_len int32 [b]), one launch."""
+    b, s = padding_mask.shape
+    bias = torch.empty(b, s, dtype=torch.float32, device=padding_mask.device)
+    kv_len = torch.empty(b, dtype=torch.int32, device=padding_mask.device)
+    pad = padding_mask.contiguous().view(torch.uint8)
+    _padding_kernel[(b,)](pad, bias, kv_len, s, BLOCK=min(1024, triton.next_power_of_2(s)))
+    return bias, kv_len
+
+
+def _last_dim_contiguous(t):
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def attention_forward(q, k, v, bias, kv_len, scale, dropout_p, seed, tile, out=None):
+    """Launch the forward. bias, kv_len: from prepare_padding, or None for no padding.
+    Returns out [b, heads, s, d] (stored as [b, s, heads, d], so merging heads is a free view) and
+    lse float32 [b, heads, s] (base 2)."""
+    b, h, s, d = q.shape
+    if out is None:
+        out = torch.empty(b, s, h, d, dtype=q.dtype, device=q.device).transpose(1, 2)   # [b, h, s, d] view
+    lse = torch.empty(b, h, s, dtype=torch.float32, device=q.device)
+    grid = (triton.cdiv(s, tile.block_m) * b * h,)
+    _attention_forward_kernel[grid](
+        q, k, v, out, lse, bias if bias is not None else lse, kv_len if kv_len is not None else lse,
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
+        h, s, scale * LOG2_E, seed, dropout_p, 1.0 / (1.0 - dropout_p),
+        HEAD_DIM=d, D_BLOCK=head_dim_block(d), BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
+        HAS_PAD=bias is not None, DROPOUT=dropout_p > 0, num_warps=tile.num_warps, num_stages=tile.num_stages)
+    return out, lse
+
+
+class FlashAttention(torch.autograd.Function):
+    """out = dropout(softmax(scale * q k^T + padding bias)) v; saves only out and lse for the backward."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, padding_mask, scale, dropout_p, seed):
+        q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
+        bias, kv_len = prepare_padding(padding_mask) if padding_mask is not None else (None, None)
+        tiles = pick_tiles(q.shape[-1], q.dtype, dropout_p > 0)
+        out, lse = attention_forward(q, k, v, bias, kv_len, scale, dropout_p, seed, tiles[0])
+        ctx.save_for_backward(q, k, v, out, lse, bias, kv_len)
+        ctx.scale, ctx.dropout_p, ctx.seed, ctx.tiles = scale, dropout_p, seed, tiles
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        from minibert.kernels.flash_attention_bwd import attention_backward   # next door; reuses the helpers
+        q, k, v, out, lse, bias, kv_len = ctx.saved_tensors
+        _, dq_tile, dkdv_tile = ctx.tiles
+        dq, dk, dv = attention_backward(_last_dim_contiguous(grad_out), q, k, v, out, lse, bias, kv_len,
+                                        ctx.scale, ctx.dropout_p, ctx.seed, dq_tile, dkdv_tile)
+        return dq, dk, dv, None, None, None, None
+
+
+def flash_attention(q, k, v, padding_mask=None, scale=None, dropout_p=0.0, seed=None):
+    """Attention over q, k, v [b, heads, s, d] (fp16/bf16; fp32 for references, TF32 dots on a GPU).
+
+    padding_mask: bool [b, s], True = padding key (its probability is 0). Output rows of padded queries are
+    unspecified but finite (zeros past the last real position); their gradients assume the loss ignores
+    them. scale defaults to 1/sqrt(d). dropout_p drops attention probabilities in-kernel (Philox); seed=None
+    draws one from torch's CPU generator (so torch.manual_seed makes runs repeatable); the same seed gives
+    the same output and gradients. Head dims: multiples of 8 in [16, 128]. Returns [b, heads, s, d].
+    """
+    check_inputs(q, k, v, padding_mask, dropout_p)
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    if seed is None:
+        seed = int(torch.randint(0, 2**31 - 1, (1,)).item()) if dropout_p > 0 else 0
+    return FlashAttention.apply(q, k, v, padding_mask, scale, float(dropout_p), int(seed))

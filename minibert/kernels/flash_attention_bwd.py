@@ -1,0 +1,194 @@
+"""Flash attention backward: gradients from Q, K, V, O, dO and the saved log-sum-exp, no s x s matrix stored.
+
+The math (one (batch, head); S = scale * Q K^T with padding bias, P = softmax(S), Z the dropout keep-mask,
+O = (P * Z / (1 - p)) V, dO given):
+    dV = (P * Z / (1-p))^T dO                  [s, d]
+    dP = (dO V^T) * Z / (1-p)                  [s, s], only ever a block at a time
+    dS = P * (dP - D),   D = rowsum(dO * O)    softmax backward: D_i = sum_j P_ij dP_ij = dO_i . O_i
+    dQ = scale * dS K,   dK = scale * dS^T Q
+P itself is recomputed per block as exp2(S * log2(e) - lse), lse saved by the forward (base 2).
+
+Two kernels, as in FA2 but without atomics (so results are deterministic):
+    dq kernel   : one program per (query block, batch*head); loops over key blocks, accumulates dQ in
+                  registers. It also computes D for its rows (it has dO and O at hand) and stores it.
+    dkdv kernel : one program per (key block, batch*head), launched after the dq kernel (it needs D);
+                  loops over query blocks, accumulates dK and dV in registers.
+          keys ->                                    keys ->
+    q   [ ==== dq program ==== ]  (row of blocks)   q  [ | ]  dkdv program = a column of blocks
+    ry  [                      ]                    ry [ | ]
+P is recomputed in both (7 block matmuls instead of FA2's 5 with atomic dQ adds): the price of determinism.
+In the dkdv kernel the tile is transposed (keys on rows), so P^T, dP^T come out of the dots directly.
+
+Padding: both kernels stop at kv_len (1 + last real key). Query rows at or past kv_len are padding: their
+lse is loaded as +inf, so exp2(. - inf) = 0 removes them exactly. In the dkdv kernel a key row only ever
+feeds its own dK, dV row, so the padding bias is skipped in the loop and padded key rows are zeroed once at
+the end; the dq kernel sums over keys, so it applies the bias like the forward.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from minibert.kernels.flash_attention import LOG2_E, _dropout_keep, _key_bias, _key_length, head_dim_block
+
+
+@triton.jit(do_not_specialize=["seed"])
+def _attention_backward_dq_kernel(
+        Q, K, V, O, DO, DQ, LSE, DELTA, BIAS, KV_LEN,
+        stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks,
+        stride_vb, stride_vh, stride_vs, stride_ob, stride_oh, stride_os,
+        stride_dob, stride_doh, stride_dos, stride_dqb, stride_dqh, stride_dqs,
+        n_heads, seq_len, qk_scale, sm_scale, seed, dropout_p, keep_scale,
+        HEAD_DIM: tl.constexpr, D_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        HAS_PAD: tl.constexpr, DROPOUT: tl.constexpr):
+    """dQ for BLOCK_M query rows of one (batch, head), and D = rowsum(dO * O) for those rows."""
+    n_blocks = tl.cdiv(seq_len, BLOCK_M)
+    bh = tl.program_id(0) // n_blocks
+    start_m = (tl.program_id(0) % n_blocks) * BLOCK_M
+    batch = bh // n_heads
+    head = bh % n_heads
+    kv_len = _key_length(KV_LEN, batch, seq_len, HAS_PAD)
+
+    rows = start_m + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, D_BLOCK)
+    d_ok = offs_d < HEAD_DIM
+    dq_ptrs = (DQ + batch.to(tl.int64) * stride_dqb + head * stride_dqh
+               + rows[:, None] * stride_dqs + offs_d[None, :])
+    if start_m >= kv_len:                                      # padding rows only
+        tl.store(dq_ptrs, tl.zeros([BLOCK_M, D_BLOCK], DQ.dtype.element_ty),
+                 mask=(rows[:, None] < seq_len) & d_ok[None, :])
+        return
+
+    live = rows < kv_len                                       # rows past kv_len contribute nothing
+    row_mask = live[:, None] & d_ok[None, :]
+    q = tl.load(Q + batch.to(tl.int64) * stride_qb + head * stride_qh + rows[:, None] * stride_qs
+                + offs_d[None, :], mask=row_mask, other=0.0)                               # [BLOCK_M, D]
+    do = tl.load(DO + batch.to(tl.int64) * stride_dob + head * stride_doh + rows[:, None] * stride_dos
+                 + offs_d[None, :], mask=row_mask, other=0.0)                              # [BLOCK_M, D]
+    o = tl.load(O + batch.to(tl.int64) * stride_ob + head * stride_oh + rows[:, None] * stride_os
+                + offs_d[None, :], mask=row_mask, other=0.0)                               # [BLOCK_M, D]
+    delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)                                # [BLOCK_M]
+    tl.store(DELTA + bh.to(tl.int64) * seq_len + rows, delta, mask=rows < seq_len)
+    lse = tl.load(LSE + bh.to(tl.int64) * seq_len + rows, mask=live, other=float("inf"))
+
+    k_ptrs = K + batch.to(tl.int64) * stride_kb + head * stride_kh + offs_n[:, None] * stride_ks + offs_d[None, :]
+    v_ptrs = V + batch.to(tl.int64) * stride_vb + head * stride_vh + offs_n[:, None] * stride_vs + offs_d[None, :]
+    dq = tl.zeros([BLOCK_M, D_BLOCK], tl.float32)
+    for start_n in range(0, kv_len, BLOCK_N):
+        cols = start_n + offs_n
+        kv_mask = (cols[:, None] < kv_len) & d_ok[None, :]
+        k = tl.load(k_ptrs + start_n * stride_ks, mask=kv_mask, other=0.0)                # [BLOCK_N, D]
+        v = tl.load(v_ptrs + start_n * stride_vs, mask=kv_mask, other=0.0)                # [BLOCK_N, D]
+        bias = _key_bias(BIAS, batch, seq_len, cols, kv_len, HAS_PAD)                       # [BLOCK_N]
+        s = tl.dot(q, tl.trans(k)) * qk_scale + bias[None, :]                               # [BLOCK_M, BLOCK_N]
+        p = tl.math.exp2(s - lse[:, None])                                                 # P, recomputed
+        dp = tl.dot(do, tl.trans(v))                                                       # dO V^T
+        if DROPOUT:
+            keep = _dropout_keep(seed, bh, rows[:, None], cols[None, :], seq_len, dropout_p)
+            dp = tl.where(keep, dp * keep_scale, 0.0)
+        ds = p * (dp - delta[:, None])
+        dq = tl.dot(ds.to(K.dtype.element_ty), k, dq)
+    tl.store(dq_ptrs, (dq * sm_scale).to(DQ.dtype.element_ty), mask=(rows[:, None] < seq_len) & d_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["seed"])
+def _attention_backward_dkdv_kernel(
+        Q, K, V, DO, DK, DV, LSE, DELTA, BIAS, KV_LEN,
+        stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks,
+        stride_vb, stride_vh, stride_vs, stride_dob, stride_doh, stride_dos,
+        stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs,
+        n_heads, seq_len, qk_scale, sm_scale, seed, dropout_p, keep_scale,
+        HEAD_DIM: tl.constexpr, D_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        HAS_PAD: tl.constexpr, DROPOUT: tl.constexpr):
+    """dK, dV for BLOCK_N keys of one (batch, head): tiles are transposed, [BLOCK_N keys, BLOCK_M queries]."""
+    n_blocks = tl.cdiv(seq_len, BLOCK_N)
+    bh = tl.program_id(0) // n_blocks
+    start_n = (tl.program_id(0) % n_blocks) * BLOCK_N
+    batch = bh // n_heads
+    head = bh % n_heads
+    kv_len = _key_length(KV_LEN, batch, seq_len, HAS_PAD)
+
+    cols = start_n + tl.arange(0, BLOCK_N)                     # this program's keys
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D_BLOCK)
+    d_ok = offs_d < HEAD_DIM
+    out_mask = (cols[:, None] < seq_len) & d_ok[None, :]
+    dk_ptrs = (DK + batch.to(tl.int64) * stride_dkb + head * stride_dkh
+               + cols[:, None] * stride_dks + offs_d[None, :])
+    dv_ptrs = (DV + batch.to(tl.int64) * stride_dvb + head * stride_dvh
+               + cols[:, None] * stride_dvs + offs_d[None, :])
+    if start_n >= kv_len:                                      # padding keys only
+        tl.store(dk_ptrs, tl.zeros([BLOCK_N, D_BLOCK], DK.dtype.element_ty), mask=out_mask)
+        tl.store(dv_ptrs, tl.zeros([BLOCK_N, D_BLOCK], DV.dtype.element_ty), mask=out_mask)
+        return
+
+    kv_mask = (cols[:, None] < kv_len) & d_ok[None, :]
+    k = tl.load(K + batch.to(tl.int64) * stride_kb + head * stride_kh + cols[:, None] * stride_ks
+                + offs_d[None, :], mask=kv_mask, other=0.0)                                # [BLOCK_N, D]
+    v = tl.load(V + batch.to(tl.int64) * stride_vb + head * stride_vh + cols[:, None] * stride_vs
+                + offs_d[None, :], mask=kv_mask, other=0.0)                                # [BLOCK_N, D]
+    q_ptrs = Q + batch.to(tl.int64) * stride_qb + head * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :]
+    do_ptrs = (DO + batch.to(tl.int64) * stride_dob + head * stride_doh
+               + offs_m[:, None] * stride_dos + offs_d[None, :])
+    dk = tl.zeros([BLOCK_N, D_BLOCK], tl.float32)
+    dv = tl.zeros([BLOCK_N, D_BLOCK], tl.float32)
+    for start_m in range(0, kv_len, BLOCK_M):
+        rows = start_m + offs_m
+        live = rows < kv_len
+        row_mask = live[:, None] & d_ok[None, :]
+        q = tl.load(q_ptrs + start_m * stride_qs, mask=row_mask, other=0.0)              # [BLOCK_M, D]
+        do = tl.load(do_ptrs + start_m * stride_dos, mask=row_mask, other=0.0)           # [BLOCK_M, D]
+        lse = tl.load(LSE + bh.to(tl.int64) * seq_len + rows, mask=live, other=float("inf"))
+        delta = tl.load(DELTA + bh.to(tl.int64) * seq_len + rows, mask=live, other=0.0)
+        p_t = tl.math.exp2(tl.dot(k, tl.trans(q)) * qk_scale - lse[None, :])              # P^T [BLOCK_N, BLOCK_M]
+        dp_t = tl.dot(v, tl.trans(do))                                                     # (dO V^T)^T
+        if DROPOUT:
+            keep = _dropout_keep(seed, bh, rows[None, :], cols[:, None], seq_len, dropout_p)
+            dv = tl.dot(tl.where(keep, p_t, 0.0).to(DO.dtype.element_ty), do, dv)
+            dp_t = tl.where(keep, dp_t * keep_scale, 0.0)
+        else:
+            dv = tl.dot(p_t.to(DO.dtype.element_ty), do, dv)
+        ds_t = p_t * (dp_t - delta[None, :])                                               # dS^T
+        dk = tl.dot(ds_t.to(Q.dtype.element_ty), q, dk)
+
+    # padded keys (and those past kv_len) were not masked in the loop: their rows are zeroed here
+    real = _key_bias(BIAS, batch, seq_len, cols, kv_len, HAS_PAD) == 0.0
+    tl.store(dk_ptrs, tl.where(real[:, None], dk * sm_scale, 0.0).to(DK.dtype.element_ty), mask=out_mask)
+    tl.store(dv_ptrs, tl.where(real[:, None], dv * keep_scale, 0.0).to(DV.dtype.element_ty), mask=out_mask)
+
+
+def launch_dq(grad_out, q, k, v, out, lse, delta, dq, bias, kv_len, scale, dropout_p, seed, tile):
+    """dq kernel (also fills delta [b, heads, s])."""
+    b, h, s, d = q.shape
+    grid = (triton.cdiv(s, tile.block_m) * b * h,)
+    _attention_backward_dq_kernel[grid](
+        q, k, v, out, grad_out, dq, lse, delta, bias if bias is not None else lse,
+        kv_len if kv_len is not None else lse,
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
+        *grad_out.stride()[:3], *dq.stride()[:3],
+        h, s, scale * LOG2_E, scale, seed, dropout_p, 1.0 / (1.0 - dropout_p),
+        HEAD_DIM=d, D_BLOCK=head_dim_block(d), BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
+        HAS_PAD=bias is not None, DROPOUT=dropout_p > 0, num_warps=tile.num_warps, num_stages=tile.num_stages)
+
+
+def launch_dkdv(grad_out, q, k, v, lse, delta, dk, dv, bias, kv_len, scale, dropout_p, seed, tile):
+    """dkdv kernel (reads the delta written by launch_dq)."""
+    b, h, s, d = q.shape
+    grid = (triton.cdiv(s, tile.block_n) * b * h,)
+    _attention_backward_dkdv_kernel[grid](
+        q, k, v, grad_out, dk, dv, lse, delta, bias if bias is not None else lse,
+        kv_len if kv_len is not None else lse,
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *grad_out.stride()[:3],
+        *dk.stride()[:3], *dv.stride()[:3],
+        h, s, scale * LOG2_E, scale, seed, dropout_p, 1.0 / (1.0 - dropout_p),
+        HEAD_DIM=d, D_BLOCK=head_dim_block(d), BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
+        HAS_PAD=bias is not None, DROPOUT=dropout_p > 0, num_warps=tile.num_warps, num_stages=tile.num_stages)
+
+
+def attention_backward(grad_out, q, k, v, out, lse, bias, kv_len, scale, dropout_p, seed, dq_tile, dkdv_tile):
+    """(dq, dk, dv) for flash attention's forward; arguments as attention_forward plus its out and lse."""
+    delta = torch.empty_like(lse)                              # [b, heads, s] float32, filled by the dq kernel
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    launch_dq(grad_out, q, k, v, out, lse, delta, dq, bias, kv_len, scale, dropout_p, seed, dq_tile)
+    launch_dkdv(grad_out, q, k, v, lse, delta, dk, dv, bias, kv_len, scale, dropout_p, seed, dkdv_tile)
+    return dq, dk, dv
