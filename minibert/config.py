@@ -11,7 +11,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from minibert.errors import UsageError
+from minibert.errors import OneLineArgumentParser, UsageError
 
 
 def _flag(default, help, **argparse_kwargs):
@@ -182,15 +182,8 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
     return cfg
 
 
-class _OneLineParser(argparse.ArgumentParser):
-    """argparse prints usage + error on two lines; we want one clear line and exit code 2."""
-
-    def error(self, message):
-        raise UsageError(f"{message} (see --help for the flags)")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = _OneLineParser(description="minibert: Megatron-style BERT pretraining",
+    parser = OneLineArgumentParser(description="minibert: Megatron-style BERT pretraining",
                             allow_abbrev=False)
     for f in dataclasses.fields(Config):
         if f.metadata.get("help") is None:

@@ -29,7 +29,6 @@ words repeated; its lines have no sentence punctuation, so each is a one-sentenc
 
     python -m minibert.corpus --output data/corpus.txt [--synthetic]
 """
-import argparse
 import ast
 import inspect
 import os
@@ -42,7 +41,7 @@ import warnings
 if __package__ in (None, ""):  # `python minibert/corpus.py` from a checkout
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from minibert.errors import UsageError, exit_on_usage_error  # noqa: E402
+from minibert.errors import OneLineArgumentParser, UsageError, exit_on_usage_error  # noqa: E402
 
 # Modules (or packages: all their .py files) of the core standard library, present in every CPython
 # 3.11+ install we know (Debian's split packages included) and not scheduled for removal. Sorted.
@@ -213,7 +212,7 @@ def write_synthetic_corpus(path):
 
 @exit_on_usage_error
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = OneLineArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--output", required=True, help="file to write, one document per line")
     parser.add_argument("--synthetic", action="store_true", help="chapter 2's synthetic lines instead")
     args = parser.parse_args(argv)

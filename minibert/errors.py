@@ -3,6 +3,7 @@
 Errors a user can cause (a wrong path, a bad flag, corrupt data) are raised as `UsageError` with a
 message that names the fix. Entry points wrap their `main` in `exit_on_usage_error`, which prints the
 message on one line and exits 2. Bugs are left to raise normally, with their traceback."""
+import argparse
 import functools
 import sys
 
@@ -22,3 +23,10 @@ def exit_on_usage_error(main):
             print(f"error: {message}", file=sys.stderr, flush=True)
             sys.exit(2)
     return wrapper
+
+
+class OneLineArgumentParser(argparse.ArgumentParser):
+    """argparse prints usage + error on two lines and exits 2; we raise one UsageError line instead."""
+
+    def error(self, message):
+        raise UsageError(f"{message} (see --help for the flags)")

@@ -17,7 +17,6 @@ The order of the draws is the contract: FORMATS.md ("BERT samples") lists it ste
 Splits: `--split 969,30,1` cuts the *documents* into train/valid/test ranges; each range gets its own
 sample index (same seed, its own num_samples). CLI: python -m minibert.masked_lm --help.
 """
-import argparse
 import bisect
 import os
 import sys
@@ -27,7 +26,7 @@ if __package__ in (None, ""):  # run as a script from a checkout: make `minibert
 
 import numpy as np
 
-from minibert.errors import UsageError, exit_on_usage_error
+from minibert.errors import OneLineArgumentParser, UsageError, exit_on_usage_error
 from minibert.indexed_dataset import IndexedDataset
 from minibert.sample_index import (SPLIT_NAMES, cached_sample_index, check_seed,
                                    split_document_ranges, split_num_samples)  # noqa: F401 (re-export)
@@ -258,7 +257,7 @@ def _save_npz(path, arrays):
 @exit_on_usage_error
 def main(argv=None):
     from minibert.tokenizer import build_tokenizer  # tokenizer is only needed by the CLI
-    parser = argparse.ArgumentParser(
+    parser = OneLineArgumentParser(
         prog="python -m minibert.masked_lm",
         description="Build Megatron-exact BERT samples (the train split) and show or save them.")
     parser.add_argument("--data-path", required=True, help="prefix of the .bin/.idx pair")

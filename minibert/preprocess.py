@@ -33,7 +33,6 @@ rule-based sentence splitter instead of NLTK Punkt (no downloads; see sentence_s
 would append the [EOS] id it adds after vocab.txt's tokens, which BERT never trains on); no
 --partitions / --keep-newlines / --lang. Run it as a script or with -m: worker processes are spawned
 and re-import the main module, which a script piped on stdin does not have."""
-import argparse
 import collections
 import itertools
 import json
@@ -49,7 +48,7 @@ if __package__ in (None, ""):  # `python minibert/preprocess.py` from a checkout
 import numpy as np  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from minibert.errors import UsageError, exit_on_usage_error  # noqa: E402
+from minibert.errors import OneLineArgumentParser, UsageError, exit_on_usage_error  # noqa: E402
 from minibert.indexed_dataset import IndexedDatasetBuilder, best_dtype  # noqa: E402
 from minibert.sentence_split import split_sentences as split_into_sentences  # noqa: E402
 from minibert.tokenizer import build_tokenizer  # noqa: E402
@@ -231,13 +230,8 @@ def preprocess(input_path, output_prefix, tokenizer, json_keys=("text",), split_
     return prefixes
 
 
-class _OneLineParser(argparse.ArgumentParser):
-    def error(self, message):  # argparse's usage + error lines -> our one line, exit 2
-        raise UsageError(f"{message} (see --help)")
-
-
 def build_parser():
-    parser = _OneLineParser(description=__doc__.splitlines()[0], allow_abbrev=False)
+    parser = OneLineArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--input", required=True, help=".json/.jsonl (one JSON object a line) or "
                         "plain text (one document a line)")
     parser.add_argument("--output-prefix", required=True, help="writes PREFIX_{key}_{sentence|document}"

@@ -11,7 +11,8 @@ iterations; the grad norm is the last update's, before clipping):
 On a GPU, after the elapsed time: `throughput per GPU (TFLOP/s/GPU): x | tokens per second: n | MFU: p% |`.
 As in Megatron, the learning rate shown is the one set after the step (the next update's).
 Differences from Megatron: no timestamp prefix; the loss scale is shown in every precision (1.0
-without fp16); an interval of only skipped steps shows nan losses instead of dropping the fields.
+without fp16). As in Megatron, an interval of only skipped steps (fp16 lowering its loss scale at the
+start) has no loss mean and no grad norm: those fields are left out of its line.
 
 Model FLOPs per step (PERF.md), forward + backward (x3) at 2 FLOPs per multiply-add, no recompute:
 
@@ -98,6 +99,7 @@ class TrainingLogger:
     def __init__(self, cfg, device, on_log=None):
         self.cfg, self.device, self.on_log = cfg, device, on_log
         self.history = []
+        self.memory_reported = False
         self.writer = None
         if cfg.tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
@@ -117,10 +119,9 @@ class TrainingLogger:
         iterations = stats.advanced + stats.skipped
         seconds = stats.elapsed() / max(iterations, 1)
         tflops = stats.flops / iterations / seconds / 1e12 if iterations else 0.0  # one GPU today
-        losses = {name: float(total) / stats.advanced if stats.advanced else float("nan")
-                  for name, total in stats.loss_sums.items()}
-        if not losses:  # every step of the interval was skipped: keep the fields, show nan
-            losses = {"lm loss": float("nan")} | ({"sop loss": float("nan")} if cfg.binary_head else {})
+        # means over the interval's non-skipped iterations; when every step was skipped (fp16 finding its
+        # loss scale) there is no mean, and the loss fields are left out of the line, as Megatron does
+        losses = {name: float(total) / stats.advanced for name, total in stats.loss_sums.items()}
         record = {"kind": "train", "iteration": iteration, "train_iters": cfg.train_iters,
                   "consumed_samples": consumed_samples, "elapsed_ms": seconds * 1000.0,
                   "tflops_per_gpu": tflops, "tokens_per_second": stats.tokens / max(seconds * iterations, 1e-9),
@@ -138,13 +139,29 @@ class TrainingLogger:
         parts += [f"learning rate: {record['learning_rate']:.6E}",
                   f"global batch size: {cfg.global_batch_size:5d}"]
         parts += [f"{name}: {value:.6E}" for name, value in losses.items()]
-        parts += [f"loss scale: {record['loss_scale']:.1f}", f"grad norm: {record['grad_norm']:.3f}",
-                  f"number of skipped iterations: {stats.skipped:3d}",
+        parts += [f"loss scale: {record['loss_scale']:.1f}"]
+        if stats.grad_norm is not None:
+            parts += [f"grad norm: {record['grad_norm']:.3f}"]
+        parts += [f"number of skipped iterations: {stats.skipped:3d}",
                   f"number of nan iterations: {stats.nan:3d}"]
         scalars = {**losses, "learning-rate": record["learning_rate"], "loss-scale": record["loss_scale"],
-                   "grad-norm": record["grad_norm"], "throughput": tflops}
+                   "throughput": tflops}
+        if stats.grad_norm is not None:
+            scalars["grad-norm"] = record["grad_norm"]
         self._emit(record, " | ".join(parts) + " |", scalars)
+        if self.device.type == "cuda" and not self.memory_reported:
+            self.report_memory(iteration)
+            self.memory_reported = True
         stats.reset()
+
+    def report_memory(self, iteration):
+        """Megatron's memory line after the first log interval: what the GPU holds once training runs."""
+        mb = 1024 * 1024
+        print(f"[Rank 0] (after {iteration} iterations) memory (MB) | "
+              f"allocated: {torch.cuda.memory_allocated(self.device) / mb:.1f} | "
+              f"max allocated: {torch.cuda.max_memory_allocated(self.device) / mb:.1f} | "
+              f"reserved: {torch.cuda.memory_reserved(self.device) / mb:.1f} | "
+              f"max reserved: {torch.cuda.max_memory_reserved(self.device) / mb:.1f}", flush=True)
 
     def log_evaluation(self, iteration, split_name, losses):
         """`validation loss at iteration 50 | lm loss value: x | lm loss PPL: y | ...`; split_name None for

@@ -258,6 +258,15 @@ def test_fp16_overflow_skips_the_update_and_the_lr_step(data, capsys):
     stats.add(step)
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     assert scheduler.num_steps == 0
+    # an interval of only skipped steps has no loss mean and no grad norm: Megatron leaves them out
+    only_skipped = IntervalStats(device)
+    only_skipped.add(step)
+    capsys.readouterr()
+    logger.log_train(1, 8, optimizer, only_skipped)
+    line = capsys.readouterr().out.strip()
+    assert "number of skipped iterations:   1" in line
+    assert "lm loss" not in line and "grad norm" not in line and "nan" not in line.lower().replace(
+        "number of nan iterations", "")
     optimizer.loss_scaler.scale = 128.0  # small enough for these gradients
     step = train_step(model, optimizer, scheduler, iterator, cfg, device)
     assert not step.skipped and scheduler.num_steps == cfg.global_batch_size
