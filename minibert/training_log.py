@@ -126,9 +126,11 @@ class TrainingLogger:
                   "consumed_samples": consumed_samples, "elapsed_ms": seconds * 1000.0,
                   "tflops_per_gpu": tflops, "tokens_per_second": stats.tokens / max(seconds * iterations, 1e-9),
                   "mfu": tflops * 1e12 / PEAK_FLOPS, "learning_rate": optimizer.param_groups[0]["lr"],
-                  "global_batch_size": cfg.global_batch_size, **losses, "loss_scale": optimizer.loss_scale,
+                  "global_batch_size": cfg.global_batch_size, "loss_scale": optimizer.loss_scale,
                   "grad_norm": float(stats.grad_norm) if stats.grad_norm is not None else float("nan"),
-                  "skipped_iterations": stats.skipped, "nan_iterations": stats.nan}
+                  "skipped_iterations": stats.skipped, "nan_iterations": stats.nan,
+                  # records always carry the loss keys (nan when the interval has no mean) for callbacks
+                  "lm loss": float("nan"), **({"sop loss": float("nan")} if cfg.binary_head else {}), **losses}
         parts = [f"iteration {iteration:8d}/{cfg.train_iters:8d}",
                  f"consumed samples: {consumed_samples:12d}",
                  f"elapsed time per iteration (ms): {record['elapsed_ms']:.1f}"]
