@@ -135,9 +135,12 @@ class LMHead(nn.Module):
     """hidden [..., h] -> logits [..., vocab_size]: dense, GeLU, LayerNorm, then the *tied* decoder
     x @ word_embeddings^T + bias (no weight of its own: input and output share one table).
 
-    The matmul runs over all padded_vocab_size rows (aligned shapes, as Megatron) and the padded columns
-    are sliced off before anything sees them, so the softmax/CE only ever covers the real vocab: the
-    padding can never change the loss, whatever its rows hold, and every TP layout gives the same model."""
+    The table has padded_vocab_size rows (Megatron pads the vocab so it splits evenly over tensor-parallel
+    ranks) but the decoder multiplies only its first vocab_size rows, so the softmax/CE only ever covers
+    the real vocab: the padding can never change the loss, whatever its rows hold, and every TP layout
+    gives the same model. Slicing the *weight* [vocab, h], not the *logits* [tokens, vocab], keeps the
+    logits contiguous; slicing them would copy the model's largest activation and, in the backward,
+    zero-fill a tensor of its padded size."""
 
     def __init__(self, config):
         super().__init__()
@@ -149,8 +152,8 @@ class LMHead(nn.Module):
 
     def forward(self, hidden, word_embeddings):
         x = self.layernorm(F.gelu(self.dense(hidden)))  # [..., h]
-        logits = F.linear(x, word_embeddings, self.bias)  # [..., h] @ [h, padded_vocab] -> [..., padded_vocab]
-        return logits[..., :self.vocab_size]  # [..., vocab_size]: a view, the padded columns are gone
+        v = self.vocab_size  # the real vocab: rows past it are padding
+        return F.linear(x, word_embeddings[:v], self.bias[:v])  # [..., h] @ [h, vocab] -> [..., vocab_size]
 
 
 class BertModel(nn.Module):

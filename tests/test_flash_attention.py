@@ -5,12 +5,14 @@ rows, as the contract says, so gradients of every input are compared everywhere.
 import itertools
 import os
 
+import numpy as np
 import pytest
 import torch
 
 from minibert.errors import UsageError
-from minibert.kernels.flash_attention import (FP32_TILES, TILE_CANDIDATES, attention_forward, attention_reference,
-                                              dropout_mask, flash_attention, prepare_padding)
+from minibert.kernels.flash_attention import (DROPOUT_FORWARD_TILES, FP32_TILES, TILE_CANDIDATES, attention_forward,
+                                              attention_reference, dropout_mask, dropout_threshold,
+                                              effective_dropout_p, flash_attention, prepare_padding)
 from minibert.kernels.flash_attention_bwd import attention_backward
 
 
@@ -123,6 +125,7 @@ def gpu_tile_sets():
     per_kernel = []
     for kernel_index, name in enumerate(("forward", "dq", "dkdv")):
         tiles = [FP32_TILES[kernel_index]] + [t for c in TILE_CANDIDATES.values() for t in c[name]]
+        tiles += list(DROPOUT_FORWARD_TILES.values()) if name == "forward" else []
         per_kernel.append(list({(t.block_m, t.block_n): t for t in tiles}.values()))
     rows = itertools.zip_longest(*per_kernel)
     return [tuple(t or FP32_TILES[i] for i, t in enumerate(row)) for row in rows]
@@ -132,37 +135,89 @@ def tile_id(tiles):
     return "-".join(f"{t.block_m}x{t.block_n}" for t in tiles)
 
 
+@pytest.mark.parametrize("dropout_p", [0.0, 0.2])
 @pytest.mark.parametrize("tiles", gpu_tile_sets(), ids=tile_id)
-def test_gpu_tiles_are_correct(tiles):
-    """The GPU block sizes (those the bench sweeps) cross padding and sequence ends correctly too."""
+def test_gpu_tiles_are_correct(tiles, dropout_p):
+    """The GPU block sizes (those the bench sweeps) cross padding and sequence ends correctly too, and with
+    dropout every block size draws the same mask (the one dropout_mask draws in 32 x 32 tiles)."""
     fwd, dq, dkdv = tiles
-    s = 200
-    pad = right_padded([200, 130, 1], s)
+    assert all(t.block_n % 8 == 0 for t in tiles)       # a dropout Philox call covers 8 keys of one tile
+    s, seed = 199, 11
+    pad = right_padded([199, 130, 1], s)
     q, k, v, do = make_inputs(3, 1, s, 64, seed=5)
     do = do.masked_fill(pad[:, None, :, None], 0.0)
     q32, k32, v32, do32 = (t.float() for t in (q, k, v, do))
     bias, kv_len = prepare_padding(pad)
-    out, lse = attention_forward(q32, k32, v32, bias, kv_len, 0.125, 0.0, 0, fwd)
-    grads = attention_backward(do32, q32, k32, v32, out, lse, bias, kv_len, 0.125, 0.0, 0, dq, dkdv)
-    assert_matches((out, *grads), reference(q, k, v, do, pad, scale=0.125), pad)
+    out, lse = attention_forward(q32, k32, v32, bias, kv_len, 0.125, dropout_p, seed, fwd)
+    grads = attention_backward(do32, q32, k32, v32, out, lse, bias, kv_len, 0.125, dropout_p, seed, dq, dkdv)
+    keep = dropout_mask(3, 1, s, seed, dropout_p) if dropout_p else None
+    expected = reference(q, k, v, do, pad, scale=0.125, dropout_p=effective_dropout_p(dropout_p), keep=keep)
+    assert_matches((out, *grads), expected, pad)
+
+
+def philox4x32(counter, key, rounds=10):
+    """Philox-4x32-10 (Salmon et al. 2011, the Random123 generator tl.randint4x implements) in numpy, an
+    oracle written from the paper: counter = 4 uint32 arrays, key = 2 uint32 -> 4 uint32 arrays."""
+    c0, c1, c2, c3 = (np.asarray(c, dtype=np.uint64) for c in counter)
+    k0, k1 = np.uint64(key[0]), np.uint64(key[1])
+    low = np.uint64(0xFFFFFFFF)
+    for _ in range(rounds):
+        p0, p1 = np.uint64(0xD2511F53) * c0, np.uint64(0xCD9E8D57) * c2      # 32 x 32 -> 64-bit products
+        c0, c1, c2, c3 = (p1 >> np.uint64(32)) ^ c1 ^ k0, p1 & low, (p0 >> np.uint64(32)) ^ c3 ^ k1, p0 & low
+        k0, k1 = (k0 + np.uint64(0x9E3779B9)) & low, (k1 + np.uint64(0xBB67AE85)) & low
+    return c0, c1, c2, c3
+
+
+def test_philox_oracle_matches_random123_known_answers():
+    """Random123's published known-answer vectors for philox4x32-10 (its kat_vectors file)."""
+    cases = [((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+             ((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+             ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
+              (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1))]
+    for counter, key, expected in cases:
+        assert tuple(int(w) for w in philox4x32(counter, key)) == expected
+
+
+@pytest.mark.parametrize("seed", [0, 2**31 - 2])
+def test_dropout_mask_is_the_documented_philox_function(seed):
+    """Element (bh, i, j) is kept iff 16-bit half j % 2 of word (j % 8) // 2 of
+    Philox(key = seed, counter = ((bh * s + i) * ceil(s / 8) + j // 8, 0, 0)) is >= the threshold:
+    a function of (bh, i, j) alone, so any tile size (block) draws the same mask; s = 37 is odd."""
+    b, h, s, p = 1, 3, 37, 0.3
+    bh, i, j = np.meshgrid(np.arange(b * h), np.arange(s), np.arange(s), indexing="ij")       # each [bh, s, s]
+    counter = (bh * s + i) * -(-s // 8) + j // 8
+    words = philox4x32((counter & 0xFFFFFFFF, counter >> 32, 0, 0), (seed, 0))
+    word = np.choose((j % 8) // 2, words)
+    half = np.where(j % 2 == 0, word & 0xFFFF, word >> 16)
+    expected = torch.from_numpy(half >= dropout_threshold(p)).view(b, h, s, s)
+    for block in (16, 32, 64):
+        assert torch.equal(dropout_mask(b, h, s, seed, p, block=block), expected), block
+
+
+def test_dropout_rate_is_a_multiple_of_1_over_65536():
+    assert dropout_threshold(0.1) == 6554 and effective_dropout_p(0.1) == 6554 / 65536    # 6553.6 rounds up
+    assert dropout_threshold(0.25) == 16384 and effective_dropout_p(0.25) == 0.25
+    assert dropout_threshold(0.0) == 0 and dropout_threshold(1 - 1e-9) == 65535         # always keeps some
 
 
 def test_dropout_keep_rate_and_mask_shape():
     keep = dropout_mask(2, 2, 64, seed=123, dropout_p=0.3)
     assert keep.shape == (2, 2, 64, 64) and keep.dtype == torch.bool
     rate = keep.float().mean().item()                   # 16384 draws: sigma = 0.0036
-    assert abs(rate - 0.7) < 0.02, rate
+    assert abs(rate - (1 - effective_dropout_p(0.3))) < 0.02, rate
     assert not torch.equal(keep[0, 0], keep[0, 1]) and not torch.equal(keep[0, 0], keep[1, 0])
     assert not torch.equal(keep, dropout_mask(2, 2, 64, seed=124, dropout_p=0.3))
     assert torch.equal(keep, dropout_mask(2, 2, 64, seed=123, dropout_p=0.3))
 
 
 def test_dropout_matches_reference_with_kernel_mask():
-    b, h, s, d, p, seed = 2, 2, 40, 32, 0.25, 77
-    pad = right_padded([40, 27], s)
+    """Forward (32 x 16 tiles), dq (16 x 32) and dkdv (16 x 32, transposed) all drop exactly the elements
+    dropout_mask shows; s = 37 ends in a partial tile and a partial 8-key Philox group."""
+    b, h, s, d, p, seed = 2, 2, 37, 32, 0.25, 77
+    pad = right_padded([37, 27], s)
     q, k, v, do = make_inputs(b, h, s, d, seed=6)
     keep = dropout_mask(b, h, s, seed, p)
-    ours, ref = run_both(q, k, v, do, pad, dropout_p=p, seed=seed, keep=keep)
+    ours, ref = run_both(q, k, v, do, pad, dropout_p=effective_dropout_p(p), seed=seed, keep=keep)
     assert_matches(ours, ref, pad)
 
 

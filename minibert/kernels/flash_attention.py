@@ -34,19 +34,27 @@ still loaded per block and applied as a -1e30 bias, so any mask (holes, left pad
 rather than -inf keeps exp2(-1e30 - m) exactly 0 without inf - inf = NaN. A fully padded batch row has
 kv_len = 0: its output is 0 and its gradients are 0, never NaN.
 
-Dropout on P happens inside the kernel: element (batch*heads + head, query, key) draws one Philox number,
-tl.rand(seed, offset) with offset = ((bh * s) + query) * s + key, unique per element; the backward draws the
-same numbers from the same seed, so no mask is stored. The running sum l uses the undropped P (dropout acts
-after softmax); kept values are scaled by 1 / (1 - p) once, on the output.
+Dropout on P happens inside the kernel, drawn from Philox (tl.randint4x), a counter-based generator: its
+output is a pure function of (seed, counter), so the backward redraws the forward's mask and no mask is
+stored. One Philox call (10 rounds, ~60 integer instructions) yields 128 random bits; we cut them into eight
+16-bit numbers u and spend them on 8 neighbouring keys of one query row (see _dropout_keep):
+    counter = (bh * s + query) * ceil(s / 8) + key // 8,    kept iff u >= t = round(65536 p)
+so the dropout rate is t / 65536 (p rounded to a multiple of 1/65536: 0.1 -> 0.100006) and the counter
+depends on the element alone, never on the tile sizes. Spreading one call over 8 keys costs moving bits
+between threads (the compiler routes the keep-mask through shared memory); the loops still run ~2.2x fewer
+instructions than with one call per element (sm_90 code). The running sum l uses the undropped P (dropout
+acts after softmax); kept values are scaled by 1 / (1 - t / 65536) once, on the output.
 
 3. What production does (and we leave to Triton's compiler)
 -----------------------------------------------------------
 FA2 (CUDA) splits work across warps like we split across programs; FA3 on Hopper adds warp specialisation
 (producer warps issue TMA bulk copies, consumer warpgroups run asynchronous wgmma), ping-pong scheduling so
 one warpgroup's softmax hides under the other's matmul, and FP8. Triton pipelines our loads (num_stages)
-and emits wgmma on Hopper by itself; we keep plain pointer loads so one kernel runs everywhere. FA2 also
-draws one Philox call per 16 dropout decisions (8-bit thresholds) where we draw one per element, and
-supports unpadded "varlen" batches (cu_seqlens) that skip padding without any masking.
+and emits wgmma on Hopper by itself; we keep plain pointer loads so one kernel runs everywhere. FA2 draws
+one Philox call per 16 dropout decisions (8-bit thresholds: p rounded to a multiple of 1/256) and gives
+each thread the bits of its own elements (the thread index is part of the counter), so no bits move but the
+mask depends on the kernel's thread layout; ours is independent of tiles and warps, which lets each kernel
+pick its own. FA2 also supports unpadded "varlen" batches (cu_seqlens) that skip padding without masking.
 """
 import math
 import os
@@ -113,32 +121,60 @@ def _padding_kernel(PAD, BIAS, KV_LEN, seq_len, BLOCK: tl.constexpr):
     tl.store(KV_LEN + batch, tl.max(last, 0))
 
 
+DROPOUT_LEVELS = 2 ** 16  # dropout draws 16-bit numbers: p is rounded to a multiple of 1/65536 (8 bits: 1/256)
+
+
+def dropout_threshold(dropout_p):
+    """The integer t the kernels compare 16-bit random numbers u with: drop iff u < t. The dropout rate is
+    then exactly t / 65536, the multiple of 1/65536 nearest dropout_p (at most 7.6e-6 away; 0.1 -> 6554 ->
+    0.100006), capped at 65535 so that some probability is always kept."""
+    return min(round(dropout_p * DROPOUT_LEVELS), DROPOUT_LEVELS - 1)
+
+
+def effective_dropout_p(dropout_p):
+    """The rate the kernels really drop at (t / 65536); kept values are scaled by 1 / (1 - this)."""
+    return dropout_threshold(dropout_p) / DROPOUT_LEVELS
+
+
 @triton.jit
-def _dropout_keep(seed, bh, rows, cols, seq_len, dropout_p):
-    """True where P[bh, row, col] survives dropout. rows/cols broadcast to the tile ([M,1] x [1,N] or
-    transposed); one Philox draw per element at offset (bh * s + row) * s + col (int64: no overflow)."""
-    offsets = (bh.to(tl.int64) * seq_len + rows) * seq_len + cols
-    return tl.rand(seed, offsets) >= dropout_p
+def _dropout_keep(seed, bh, rows, start_n, seq_len, threshold, BLOCK_N: tl.constexpr):
+    """bool [BLOCK_M, BLOCK_N], True where P[bh, row, start_n + c] survives dropout; rows: [BLOCK_M] query
+    indices. Query-major: the dkdv kernel, whose tiles are [keys, queries], transposes it. One Philox call
+    serves 8 keys of one query row (g = key // 8):
+
+        Philox(seed, counter = (bh * s + row) * ceil(s / 8) + g)  ->  r0, r1, r2, r3 (random uint32)
+        key   8g+0   8g+1   8g+2   8g+3   8g+4   8g+5   8g+6   8g+7
+        u     r0 lo  r0 hi  r1 lo  r1 hi  r2 lo  r2 hi  r3 lo  r3 hi     16-bit halves, kept iff u >= threshold
+
+    The counter is a function of (bh, row, key // 8) alone and 8 divides every BLOCK_N, so the mask does not
+    depend on the tile: the three kernels draw the same one. Keys past s draw anything; they are masked."""
+    groups = start_n // 8 + tl.arange(0, BLOCK_N // 8)                                 # [BLOCK_N / 8]
+    counters = (bh.to(tl.int64) * seq_len + rows[:, None]) * tl.cdiv(seq_len, 8) + groups[None, :]
+    r0, r1, r2, r3 = tl.randint4x(seed, counters)                                      # each [BLOCK_M, BLOCK_N / 8]
+    # tl.interleave(a, b) = a0 b0 a1 b1 ... along the last axis (a join, then a reshape)
+    words = tl.interleave(tl.interleave(r0, r2), tl.interleave(r1, r3))               # [M, N/2]: r0 r1 r2 r3 r0 ..
+    halves = tl.interleave(words & 0xFFFF, words >> 16)                                # [M, N]: r0lo r0hi r1lo ..
+    return halves >= threshold.to(tl.uint32)
 
 
 @triton.jit(do_not_specialize=["seed"])
-def _dropout_mask_kernel(KEEP, seq_len, seed, dropout_p, BLOCK: tl.constexpr):
+def _dropout_mask_kernel(KEEP, seq_len, seed, threshold, BLOCK: tl.constexpr):
     """Writes the keep-mask the attention kernels use, KEEP uint8 [b*heads, s, s] (for tests only)."""
     bh = tl.program_id(1)
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     for start in range(0, seq_len, BLOCK):
         cols = start + tl.arange(0, BLOCK)
-        keep = _dropout_keep(seed, bh, rows[:, None], cols[None, :], seq_len, dropout_p)
+        keep = _dropout_keep(seed, bh, rows, start, seq_len, threshold, BLOCK)           # [BLOCK, BLOCK]
         ptrs = KEEP + (bh.to(tl.int64) * seq_len + rows[:, None]) * seq_len + cols[None, :]
         tl.store(ptrs, keep.to(tl.uint8), mask=(rows[:, None] < seq_len) & (cols[None, :] < seq_len))
 
 
-def dropout_mask(batch, heads, seq_len, seed, dropout_p, device="cpu"):
-    """The kernels' own dropout keep-mask, bool [batch, heads, s, s] (True = kept), for building references."""
+def dropout_mask(batch, heads, seq_len, seed, dropout_p, device="cpu", block=32):
+    """The kernels' own dropout keep-mask, bool [batch, heads, s, s] (True = kept), for building references;
+    block (a multiple of 8) is the tile it is drawn in, which does not change the mask."""
     keep = torch.empty(batch * heads, seq_len, seq_len, dtype=torch.uint8, device=device)
-    block = 32
-    _dropout_mask_kernel[(triton.cdiv(seq_len, block), batch * heads)](keep, seq_len, seed, dropout_p,
-                                                                       BLOCK=block)
+    _dropout_mask_kernel[(triton.cdiv(seq_len, block), batch * heads)](
+        keep, seq_len, seed, dropout_threshold(dropout_p), BLOCK=block)
     return keep.view(batch, heads, seq_len, seq_len).bool()
 
 
@@ -150,7 +186,7 @@ def _attention_forward_kernel(
         Q, K, V, O, LSE, BIAS, KV_LEN,
         stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks,
         stride_vb, stride_vh, stride_vs, stride_ob, stride_oh, stride_os,
-        n_heads, seq_len, qk_scale, seed, dropout_p, out_scale,
+        n_heads, seq_len, qk_scale, seed, threshold, out_scale,
         HEAD_DIM: tl.constexpr, D_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         HAS_PAD: tl.constexpr, DROPOUT: tl.constexpr):
     """One program = BLOCK_M query rows of one (batch, head); it streams every key block up to kv_len.
@@ -198,12 +234,12 @@ def _attention_forward_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
         if DROPOUT:
-            p = tl.where(_dropout_keep(seed, bh, rows[:, None], cols[None, :], seq_len, dropout_p), p, 0.0)
+            p = tl.where(_dropout_keep(seed, bh, rows, start_n, seq_len, threshold, BLOCK_N), p, 0.0)
         acc = tl.dot(p.to(V.dtype.element_ty), v, acc)
         m_i = m_new
 
     # every row saw key kv_len - 1, a real key, so l_i >= 1: no division by zero
-    acc = acc * (out_scale / l_i)[:, None]                # out_scale = 1 / (1 - dropout_p)
+    acc = acc * (out_scale / l_i)[:, None]                # out_scale = 1 / (1 - effective dropout p)
     tl.store(o_ptrs, acc.to(O.dtype.element_ty), mask=(rows[:, None] < seq_len) & d_ok[None, :])
     tl.store(lse_ptrs, m_i + tl.math.log2(l_i), mask=rows < seq_len)
 
@@ -222,7 +258,9 @@ class Tile(NamedTuple):
 
 # Candidates per head-dim block (16/32/64 use the 64 list) and kernel, for the GPU sweep
 # (bench/attention_bench.py --sweep); the FIRST of each list is the default. All compile for sm_90 with
-# triton 3.6 without register spills (ptxas -v); 128-wide heads need fewer rows per warp.
+# triton 3.6 without register spills (ptxas -v); 128-wide heads need fewer rows per warp. With dropout the
+# default dkdv tiles spill 0-28 bytes (one Philox call per element spilled 32-56). Every block_n is a
+# multiple of 8, the keys one dropout Philox call serves.
 TILE_CANDIDATES = {
     # d <= 64: the first of each list won `bench/attention_bench.py --sweep` on an H200 (2026-11-30, triton
     # 3.6, b32 h16 s512 d64 bf16, key lengths U[256, 512], CUDA-graph timing): forward 104 us, dq 112 us,
@@ -257,7 +295,12 @@ def head_dim_block(d):
     return max(16, triton.next_power_of_2(d))
 
 
-DROPOUT_FORWARD_TILES = {64: Tile(128, 64, 8, 3), 128: Tile(128, 64, 8, 2)}  # 4 warps spill with Philox
+# With dropout the 4-warp forward tiles spill (ptxas, triton 3.6, d64: 64x128 232 bytes, 128x64 104 bytes:
+# moving the keep-mask between threads needs registers) and the 8-warp ones do not (244 and 253 registers),
+# yet at d64 the spilling 64x128x4w tile was the fastest on the H200 (2026-11-30, dropout 0.1, b32 h16 s512,
+# lengths U[256,512], fwd+bwd 0.700 ms vs 0.744 ms for 128x64x8w, CUDA-graph timing).
+# d128 keeps the 8-warp tile (not timed with dropout).
+DROPOUT_FORWARD_TILES = {64: Tile(64, 128, 4, 3), 128: Tile(128, 64, 8, 2)}
 
 
 def pick_tiles(head_dim, dtype, dropout=False):
@@ -331,7 +374,8 @@ def attention_forward(q, k, v, bias, kv_len, scale, dropout_p, seed, tile, out=N
     _attention_forward_kernel[grid](
         q, k, v, out, lse, bias if bias is not None else lse, kv_len if kv_len is not None else lse,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
-        h, s, scale * LOG2_E, seed, dropout_p, 1.0 / (1.0 - dropout_p),
+        h, s, scale * LOG2_E, seed, dropout_threshold(dropout_p),
+        1.0 / (1.0 - effective_dropout_p(dropout_p)),
         HEAD_DIM=d, D_BLOCK=head_dim_block(d), BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
         HAS_PAD=bias is not None, DROPOUT=dropout_p > 0, num_warps=tile.num_warps, num_stages=tile.num_stages)
     return out, lse
@@ -365,9 +409,10 @@ def flash_attention(q, k, v, padding_mask=None, scale=None, dropout_p=0.0, seed=
 
     padding_mask: bool [b, s], True = padding key (its probability is 0). Output rows of padded queries are
     unspecified but finite (zeros past the last real position); their gradients assume the loss ignores
-    them. scale defaults to 1/sqrt(d). dropout_p drops attention probabilities in-kernel (Philox); seed=None
-    draws one from torch's CPU generator (so torch.manual_seed makes runs repeatable); the same seed gives
-    the same output and gradients. Head dims: multiples of 8 in [16, 128]. Returns [b, heads, s, d].
+    them. scale defaults to 1/sqrt(d). dropout_p drops attention probabilities in-kernel (Philox; the rate is
+    rounded to a multiple of 1/65536, see dropout_threshold); seed=None draws one from torch's CPU generator
+    (so torch.manual_seed makes runs repeatable); the same seed gives the same output and gradients.
+    Head dims: multiples of 8 in [16, 128]. Returns [b, heads, s, d].
     """
     check_inputs(q, k, v, padding_mask, dropout_p)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)

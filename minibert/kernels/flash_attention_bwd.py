@@ -17,7 +17,8 @@ Two kernels, as in FA2 but without atomics (so results are deterministic):
     q   [ ==== dq program ==== ]  (row of blocks)   q  [ | ]  dkdv program = a column of blocks
     ry  [                      ]                    ry [ | ]
 P is recomputed in both (7 block matmuls instead of FA2's 5 with atomic dQ adds): the price of determinism.
-In the dkdv kernel the tile is transposed (keys on rows), so P^T, dP^T come out of the dots directly.
+In the dkdv kernel the tile is transposed (keys on rows), so P^T, dP^T come out of the dots directly; its
+dropout mask is drawn query-major like the other two kernels' and transposed (tl.trans): the same bits.
 
 Padding: both kernels stop at kv_len (1 + last real key). Query rows at or past kv_len are padding: their
 lse is loaded as +inf, so exp2(. - inf) = 0 removes them exactly. In the dkdv kernel a key row only ever
@@ -28,7 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-from minibert.kernels.flash_attention import LOG2_E, _dropout_keep, _key_bias, _key_length, head_dim_block
+from minibert.kernels.flash_attention import (LOG2_E, _dropout_keep, _key_bias, _key_length, dropout_threshold,
+                                              effective_dropout_p, head_dim_block)
 
 
 @triton.jit(do_not_specialize=["seed"])
@@ -37,7 +39,7 @@ def _attention_backward_dq_kernel(
         stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks,
         stride_vb, stride_vh, stride_vs, stride_ob, stride_oh, stride_os,
         stride_dob, stride_doh, stride_dos, stride_dqb, stride_dqh, stride_dqs,
-        n_heads, seq_len, qk_scale, sm_scale, seed, dropout_p, keep_scale,
+        n_heads, seq_len, qk_scale, sm_scale, seed, threshold, keep_scale,
         HEAD_DIM: tl.constexpr, D_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         HAS_PAD: tl.constexpr, DROPOUT: tl.constexpr):
     """dQ for BLOCK_M query rows of one (batch, head), and D = rowsum(dO * O) for those rows."""
@@ -84,7 +86,7 @@ def _attention_backward_dq_kernel(
         p = tl.math.exp2(s - lse[:, None])                                                 # P, recomputed
         dp = tl.dot(do, tl.trans(v))                                                       # dO V^T
         if DROPOUT:
-            keep = _dropout_keep(seed, bh, rows[:, None], cols[None, :], seq_len, dropout_p)
+            keep = _dropout_keep(seed, bh, rows, start_n, seq_len, threshold, BLOCK_N)      # [BLOCK_M, BLOCK_N]
             dp = tl.where(keep, dp * keep_scale, 0.0)
         ds = p * (dp - delta[:, None])
         dq = tl.dot(ds.to(K.dtype.element_ty), k, dq)
@@ -97,7 +99,7 @@ def _attention_backward_dkdv_kernel(
         stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks,
         stride_vb, stride_vh, stride_vs, stride_dob, stride_doh, stride_dos,
         stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs,
-        n_heads, seq_len, qk_scale, sm_scale, seed, dropout_p, keep_scale,
+        n_heads, seq_len, qk_scale, sm_scale, seed, threshold, keep_scale,
         HEAD_DIM: tl.constexpr, D_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         HAS_PAD: tl.constexpr, DROPOUT: tl.constexpr):
     """dK, dV for BLOCK_N keys of one (batch, head): tiles are transposed, [BLOCK_N keys, BLOCK_M queries]."""
@@ -143,7 +145,7 @@ def _attention_backward_dkdv_kernel(
         p_t = tl.math.exp2(tl.dot(k, tl.trans(q)) * qk_scale - lse[None, :])              # P^T [BLOCK_N, BLOCK_M]
         dp_t = tl.dot(v, tl.trans(do))                                                     # (dO V^T)^T
         if DROPOUT:
-            keep = _dropout_keep(seed, bh, rows[None, :], cols[:, None], seq_len, dropout_p)
+            keep = tl.trans(_dropout_keep(seed, bh, rows, start_n, seq_len, threshold, BLOCK_N))  # [BLOCK_N, BLOCK_M]
             dv = tl.dot(tl.where(keep, p_t, 0.0).to(DO.dtype.element_ty), do, dv)
             dp_t = tl.where(keep, dp_t * keep_scale, 0.0)
         else:
@@ -166,7 +168,8 @@ def launch_dq(grad_out, q, k, v, out, lse, delta, dq, bias, kv_len, scale, dropo
         kv_len if kv_len is not None else lse,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
         *grad_out.stride()[:3], *dq.stride()[:3],
-        h, s, scale * LOG2_E, scale, seed, dropout_p, 1.0 / (1.0 - dropout_p),
+        h, s, scale * LOG2_E, scale, seed, dropout_threshold(dropout_p),
+        1.0 / (1.0 - effective_dropout_p(dropout_p)),
         HEAD_DIM=d, D_BLOCK=head_dim_block(d), BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
         HAS_PAD=bias is not None, DROPOUT=dropout_p > 0, num_warps=tile.num_warps, num_stages=tile.num_stages)
 
@@ -180,7 +183,8 @@ def launch_dkdv(grad_out, q, k, v, lse, delta, dk, dv, bias, kv_len, scale, drop
         kv_len if kv_len is not None else lse,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *grad_out.stride()[:3],
         *dk.stride()[:3], *dv.stride()[:3],
-        h, s, scale * LOG2_E, scale, seed, dropout_p, 1.0 / (1.0 - dropout_p),
+        h, s, scale * LOG2_E, scale, seed, dropout_threshold(dropout_p),
+        1.0 / (1.0 - effective_dropout_p(dropout_p)),
         HEAD_DIM=d, D_BLOCK=head_dim_block(d), BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
         HAS_PAD=bias is not None, DROPOUT=dropout_p > 0, num_warps=tile.num_warps, num_stages=tile.num_stages)
 
