@@ -57,12 +57,12 @@ mask depends on the kernel's thread layout; ours is independent of tiles and war
 pick its own. FA2 also supports unpadded "varlen" batches (cu_seqlens) that skip padding without masking.
 """
 import math
-import os
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
 
 from minibert.errors import UsageError
 
@@ -286,8 +286,9 @@ INTERPRETER_TILES = (Tile(32, 16, 1, 1), Tile(16, 32, 1, 1), Tile(16, 32, 1, 1))
 
 
 def _interpreting():
-    """The Triton CPU interpreter (tests set TRITON_INTERPRET=1 before importing triton)."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    """True under Triton's CPU interpreter (TRITON_INTERPRET=1 when triton.jit ran): the kernels were then
+    made InterpretedFunctions. Asking the kernel, not the environment, keeps os.environ out of this code."""
+    return isinstance(_attention_forward_kernel, InterpretedFunction)
 
 
 def head_dim_block(d):
@@ -408,8 +409,8 @@ def flash_attention(q, k, v, padding_mask=None, scale=None, dropout_p=0.0, seed=
     """Attention over q, k, v [b, heads, s, d] (fp16/bf16; fp32 for references, TF32 dots on a GPU).
 
     padding_mask: bool [b, s], True = padding key (its probability is 0). Output rows of padded queries are
-    unspecified but finite (zeros past the last real position); their gradients assume the loss ignores
-    them. scale defaults to 1/sqrt(d). dropout_p drops attention probabilities in-kernel (Philox; the rate is
+    unspecified but finite (zeros in query blocks entirely past the last real key); their gradients assume
+    the loss ignores them. scale defaults to 1/sqrt(d). dropout_p drops attention probabilities in-kernel (Philox; the rate is
     rounded to a multiple of 1/65536, see dropout_threshold); seed=None draws one from torch's CPU generator
     (so torch.manual_seed makes runs repeatable); the same seed gives the same output and gradients.
     Head dims: multiples of 8 in [16, 128]. Returns [b, heads, s, d].
