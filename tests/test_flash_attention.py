@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from minibert.errors import UsageError
+from minibert.kernels.dropout import dropout_mask, dropout_threshold, effective_dropout_p
 from minibert.kernels.flash_attention import (DROPOUT_FORWARD_TILES, FP32_TILES, TILE_CANDIDATES, attention_forward,
-                                              attention_reference, dropout_mask, dropout_threshold,
-                                              effective_dropout_p, flash_attention, prepare_padding)
+                                              attention_reference, flash_attention, prepare_padding)
 from minibert.kernels.flash_attention_bwd import attention_backward
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

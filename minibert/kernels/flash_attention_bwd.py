@@ -29,8 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-from minibert.kernels.flash_attention import (LOG2_E, _dropout_keep, _key_bias, _key_length, dropout_threshold,
-                                              effective_dropout_p, head_dim_block)
+from minibert.kernels.dropout import _dropout_keep, dropout_threshold, effective_dropout_p
+from minibert.kernels.flash_attention import LOG2_E, _key_bias, _key_length, head_dim_block
 
 
 @triton.jit(do_not_specialize=["seed"])
