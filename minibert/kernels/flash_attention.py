@@ -100,6 +100,19 @@ def _key_length(KV_LEN, batch, seq_len, HAS_PAD: tl.constexpr):
 
 
 @triton.jit
+def _program_block(KV_LEN, n_heads, seq_len, BLOCK: tl.constexpr, HAS_PAD: tl.constexpr):
+    """Which block this program owns -> (bh, start, batch, head, kv_len). Program ids run the blocks of one
+    (batch, head) fastest, then heads, then batch, so neighbouring programs share K, V (or Q, dO) in L2.
+    All three kernels use this order; BLOCK is the size of the block a program owns."""
+    n_blocks = tl.cdiv(seq_len, BLOCK)
+    bh = tl.program_id(0) // n_blocks                     # = batch * n_heads + head
+    start = (tl.program_id(0) % n_blocks) * BLOCK
+    batch = bh // n_heads
+    head = bh % n_heads
+    return bh, start, batch, head, _key_length(KV_LEN, batch, seq_len, HAS_PAD)
+
+
+@triton.jit
 def _key_bias(BIAS, batch, seq_len, cols, kv_len, HAS_PAD: tl.constexpr):
     """[BLOCK_N] additive bias: 0 for a real key, -1e30 for padding or a column past kv_len.
     (float32, not the bool mask: 4-byte loads are what Triton's pipeliner prefetches.)"""
@@ -133,16 +146,8 @@ def _attention_forward_kernel(
         n_heads, seq_len, qk_scale, seed, threshold, out_scale,
         HEAD_DIM: tl.constexpr, D_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         HAS_PAD: tl.constexpr, DROPOUT: tl.constexpr):
-    """One program = BLOCK_M query rows of one (batch, head); it streams every key block up to kv_len.
-
-    Program ids run query blocks fastest, then heads, then batch: neighbours share K, V in L2.
-    """
-    n_blocks = tl.cdiv(seq_len, BLOCK_M)
-    bh = tl.program_id(0) // n_blocks                     # = batch * n_heads + head
-    start_m = (tl.program_id(0) % n_blocks) * BLOCK_M
-    batch = bh // n_heads
-    head = bh % n_heads
-    kv_len = _key_length(KV_LEN, batch, seq_len, HAS_PAD)
+    """One program = BLOCK_M query rows of one (batch, head); it streams every key block up to kv_len."""
+    bh, start_m, batch, head, kv_len = _program_block(KV_LEN, n_heads, seq_len, BLOCK_M, HAS_PAD)
 
     rows = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)

@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from minibert.kernels.dropout import _dropout_keep, dropout_threshold, effective_dropout_p
-from minibert.kernels.flash_attention import LOG2_E, _key_bias, _key_length, head_dim_block
+from minibert.kernels.flash_attention import LOG2_E, _key_bias, _program_block, head_dim_block
 
 
 @triton.jit(do_not_specialize=["seed"])
@@ -43,12 +43,7 @@ def _attention_backward_dq_kernel(
         HEAD_DIM: tl.constexpr, D_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         HAS_PAD: tl.constexpr, DROPOUT: tl.constexpr):
     """dQ for BLOCK_M query rows of one (batch, head), and D = rowsum(dO * O) for those rows."""
-    n_blocks = tl.cdiv(seq_len, BLOCK_M)
-    bh = tl.program_id(0) // n_blocks
-    start_m = (tl.program_id(0) % n_blocks) * BLOCK_M
-    batch = bh // n_heads
-    head = bh % n_heads
-    kv_len = _key_length(KV_LEN, batch, seq_len, HAS_PAD)
+    bh, start_m, batch, head, kv_len = _program_block(KV_LEN, n_heads, seq_len, BLOCK_M, HAS_PAD)
 
     rows = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
@@ -103,12 +98,7 @@ def _attention_backward_dkdv_kernel(
         HEAD_DIM: tl.constexpr, D_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         HAS_PAD: tl.constexpr, DROPOUT: tl.constexpr):
     """dK, dV for BLOCK_N keys of one (batch, head): tiles are transposed, [BLOCK_N keys, BLOCK_M queries]."""
-    n_blocks = tl.cdiv(seq_len, BLOCK_N)
-    bh = tl.program_id(0) // n_blocks
-    start_n = (tl.program_id(0) % n_blocks) * BLOCK_N
-    batch = bh // n_heads
-    head = bh % n_heads
-    kv_len = _key_length(KV_LEN, batch, seq_len, HAS_PAD)
+    bh, start_n, batch, head, kv_len = _program_block(KV_LEN, n_heads, seq_len, BLOCK_N, HAS_PAD)
 
     cols = start_n + tl.arange(0, BLOCK_N)                     # this program's keys
     offs_m = tl.arange(0, BLOCK_M)
