@@ -9,7 +9,6 @@ import datetime
 import os
 import platform
 import sys
-import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -18,6 +17,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 
 from bench import attention_bench, softmax_bench  # noqa: E402
+from minibert.atomic import atomic_write  # noqa: E402
 
 SECTIONS = [
     ("Fused scale-mask-softmax (minibert/kernels/softmax.py)", softmax_bench),
@@ -56,11 +56,7 @@ def main():
             print("  " + " | ".join(cells), flush=True)
         lines.append("")
     text = "\n".join(lines) + "\n"
-    directory = os.path.dirname(os.path.abspath(args.output))
-    os.makedirs(directory, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", dir=directory, delete=False, suffix=".tmp") as f:
-        f.write(text)
-    os.replace(f.name, args.output)
+    atomic_write(args.output, lambda f: f.write(text), text=True, make_dirs=True)
     print(text)
 
 

@@ -15,9 +15,10 @@ torch.load(weights_only=True): opening a checkpoint never runs code from the fil
 Exact resume needs all of it: the weights and Adam state, the LR step, the loss scale, where the data
 iterators stand (consumed samples) and the random generators that drive dropout.
 
-Atomic writes: each file goes to a temporary name in the same directory, is flushed to disk (fsync)
-and renamed over the final name (os.replace is atomic on POSIX). A crash mid-save leaves the old
-tracker pointing at the old, complete checkpoint."""
+Atomic writes (minibert.atomic): each file goes to a temporary name in the same directory, is flushed to
+disk (fsync) and renamed over the final name (os.replace is atomic on POSIX); the new directories are
+synced before the tracker is written. A crash mid-save leaves the old tracker pointing at the old,
+complete checkpoint."""
 import dataclasses
 import os
 import random
@@ -26,54 +27,26 @@ import sys
 import numpy as np
 import torch
 
+from minibert.atomic import atomic_write
 from minibert.errors import UsageError
 
 CHECKPOINT_VERSION = 3.0          # Megatron's current legacy-format version number
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
+RELEASE = "release"               # Megatron's tracker word for released weights (no training state)
 MODEL_SHAPE_ARGS = ["num_layers", "hidden_size", "num_attention_heads", "ffn_size", "max_positions",
-                    "vocab_size", "post_ln", "bert_no_binary_head"]
+                    "vocab_size", "post_ln", "bert_no_binary_head", "layernorm_epsilon"]
 
 
 def tracker_path(checkpoints_dir: str) -> str:
     return os.path.join(checkpoints_dir, TRACKER_FILENAME)
 
 
-def checkpoint_path(checkpoints_dir: str, iteration: int, tp_rank=0, pp_rank=0, pp_size=1) -> str:
-    """SAVE/iter_0000100/mp_rank_00/model_optim_rng.pt, or mp_rank_TT_PPP when pipelining."""
+def checkpoint_path(checkpoints_dir: str, iteration, tp_rank=0, pp_rank=0, pp_size=1) -> str:
+    """SAVE/iter_0000100/mp_rank_00/model_optim_rng.pt, or mp_rank_TT_PPP when pipelining;
+    SAVE/release/mp_rank_00/... for released weights (iteration == RELEASE)."""
     rank_dir = f"mp_rank_{tp_rank:02d}" if pp_size == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
-    return os.path.join(checkpoints_dir, f"iter_{iteration:07d}", rank_dir, "model_optim_rng.pt")
-
-
-# ---- atomic writes ----
-def _fsync_dir(path: str):
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass  # some file systems cannot sync a directory; the rename is still atomic
-    finally:
-        os.close(fd)
-
-
-def atomic_write(path: str, write):
-    """Call write(file) on a temporary file next to `path`, fsync, then rename it to `path`."""
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-    _fsync_dir(directory)
+    iter_dir = RELEASE if iteration == RELEASE else f"iter_{iteration:07d}"
+    return os.path.join(checkpoints_dir, iter_dir, rank_dir, "model_optim_rng.pt")
 
 
 # ---- random generators as plain data ----
@@ -104,7 +77,7 @@ def save_checkpoint(checkpoints_dir: str, iteration: int, state: dict, *, tp_ran
                     pp_size=1, write_tracker=True):
     """Write one rank's file, then (rank 0, after every rank's file exists) the tracker."""
     path = checkpoint_path(checkpoints_dir, iteration, tp_rank, pp_rank, pp_size)
-    atomic_write(path, lambda f: torch.save(state, f))
+    atomic_write(path, lambda f: torch.save(state, f), make_dirs=True)
     if write_tracker:
         atomic_write(tracker_path(checkpoints_dir), lambda f: f.write(f"{iteration}".encode()))
     return path
@@ -113,8 +86,6 @@ def save_checkpoint(checkpoints_dir: str, iteration: int, state: dict, *, tp_ran
 def training_state(cfg, iteration, model, optimizer, scheduler, consumed_train_samples,
                    consumed_valid_samples) -> dict:
     """The dict stored in model_optim_rng.pt."""
-    args = dataclasses.asdict(cfg)
-    args.update({name: getattr(cfg, name) for name in MODEL_SHAPE_ARGS})  # derived values too
     return {"iteration": iteration,
             "checkpoint_version": CHECKPOINT_VERSION,
             "model": model.state_dict(),
@@ -123,7 +94,7 @@ def training_state(cfg, iteration, model, optimizer, scheduler, consumed_train_s
             "rng_state": [get_rng_state()],  # one entry per data-parallel rank (one today)
             "consumed_train_samples": consumed_train_samples,
             "consumed_valid_samples": consumed_valid_samples,
-            "args": args}
+            "args": model_args(cfg)}
 
 
 # ---- load ----
@@ -135,6 +106,8 @@ def read_tracker(checkpoints_dir: str):
         return None
     with open(path) as f:
         text = f.read().strip()
+    if text == RELEASE:
+        return RELEASE
     try:
         iteration = int(text)
     except ValueError:
@@ -147,6 +120,7 @@ def read_tracker(checkpoints_dir: str):
 
 REQUIRED_KEYS = ["iteration", "model", "optimizer", "opt_param_scheduler", "rng_state",
                  "consumed_train_samples", "consumed_valid_samples", "args"]
+RELEASE_KEYS = ["model", "args"]  # released weights carry no training state
 
 
 def load_checkpoint(checkpoints_dir: str, *, tp_rank=0, pp_rank=0, pp_size=1):
@@ -164,7 +138,8 @@ def load_checkpoint(checkpoints_dir: str, *, tp_rank=0, pp_rank=0, pp_size=1):
         reason = " ".join(str(e).split())[:200]
         raise UsageError(f"checkpoint {path} is corrupt or not a minibert checkpoint ({type(e).__name__}: "
                          f"{reason}): delete it or point --load elsewhere")
-    missing = [k for k in REQUIRED_KEYS if not isinstance(state, dict) or k not in state]
+    required = RELEASE_KEYS if iteration == RELEASE else REQUIRED_KEYS
+    missing = [k for k in required if not isinstance(state, dict) or k not in state]
     if missing:
         raise UsageError(f"checkpoint {path} is not a minibert checkpoint (missing {', '.join(missing)}): "
                          "point --load at a directory written by minibert's --save")
@@ -193,3 +168,47 @@ def restore_training_state(state: dict, cfg, model, optimizer, scheduler):
         print(f"warning: the LR schedule differs from the checkpoint's ({', '.join(changed)}); "
               "using the command line's", file=sys.stderr, flush=True)
     return state["iteration"], state["consumed_train_samples"], state["consumed_valid_samples"]
+
+
+# ---- weights only: Megatron's "release" checkpoints ----
+def model_args(cfg) -> dict:
+    """The Config as a plain dict, with the derived model shape too (what a checkpoint's args hold)."""
+    args = dataclasses.asdict(cfg)
+    args.update({name: getattr(cfg, name) for name in MODEL_SHAPE_ARGS})
+    return args
+
+
+def config_from_args(args: dict):
+    """A checkpoint's args -> Config (derived entries such as ffn_size are dropped: they follow)."""
+    from minibert.config import Config
+    names = {f.name for f in dataclasses.fields(Config)}
+    return Config(**{k: v for k, v in args.items() if k in names})
+
+
+def save_weights(checkpoints_dir: str, model, cfg) -> str:
+    """SAVE/release/mp_rank_00/model_optim_rng.pt (the model and its args) and the tracker "release":
+    what `train.py --load SAVE --finetune` starts from and what fill_mask / convert read."""
+    state = {"iteration": 0, "checkpoint_version": CHECKPOINT_VERSION,
+             "model": {k: v.detach().cpu() for k, v in model.state_dict().items()}, "args": model_args(cfg)}
+    return save_checkpoint(checkpoints_dir, RELEASE, state)
+
+
+def load_model(checkpoints_dir: str, **overrides):
+    """The BertModel (fp32, CPU, eval mode) stored in a checkpoint directory (a training checkpoint or
+    released weights), with its Config. `overrides` set Config fields, e.g. attention_backend="local"."""
+    from minibert.model import BertModel
+    state = load_checkpoint(checkpoints_dir)
+    if state is None:
+        raise UsageError(f"{checkpoints_dir} holds no checkpoint (no {TRACKER_FILENAME}): pass a directory "
+                         "written by train.py --save or by python -m minibert.convert from-hf --save")
+    cfg = config_from_args(state["args"])
+    for key, value in overrides.items():
+        setattr(cfg, key, value)
+    model = BertModel(cfg)
+    try:
+        model.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state["model"].items()})
+    except RuntimeError as e:
+        reason = " ".join(str(e).split())[:200]
+        raise UsageError(f"the checkpoint in {checkpoints_dir} does not fit its own args ({reason}): "
+                         "it was not written by this version of minibert")
+    return model.eval(), cfg

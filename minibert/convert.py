@@ -42,6 +42,7 @@ import os
 
 import torch
 
+from minibert.atomic import atomic_write_bytes
 from minibert.config import Config
 from minibert.errors import UsageError
 from minibert.model import BertModel
@@ -134,7 +135,7 @@ def to_hf(model: BertModel, out_dir: str) -> None:
     }
     os.makedirs(out_dir, exist_ok=True)
     write_safetensors(os.path.join(out_dir, "model.safetensors"), tensors)
-    _write_atomically(os.path.join(out_dir, "config.json"), [(json.dumps(hf_config, indent=2) + "\n").encode()])
+    atomic_write_bytes(os.path.join(out_dir, "config.json"), [(json.dumps(hf_config, indent=2) + "\n").encode()])
 
 
 def from_hf(hf_dir: str, **overrides) -> BertModel:
@@ -287,12 +288,6 @@ def write_safetensors(path: str, tensors: dict) -> None:
         offset += len(raw)
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)  # pad so the tensor data starts 8-byte aligned
-    _write_atomically(path, [len(text).to_bytes(8, "little"), text, *blobs])
+    atomic_write_bytes(path, [len(text).to_bytes(8, "little"), text, *blobs])
 
 
-def _write_atomically(path: str, chunks: list) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "wb") as f:
-        for chunk in chunks:
-            f.write(chunk)
-    os.replace(tmp, path)

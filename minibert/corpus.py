@@ -42,6 +42,7 @@ if __package__ in (None, ""):  # `python minibert/corpus.py` from a checkout
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from minibert.errors import OneLineArgumentParser, UsageError, exit_on_usage_error  # noqa: E402
+from minibert.atomic import atomic_write  # noqa: E402
 
 # Modules (or packages: all their .py files) of the core standard library, present in every CPython
 # 3.11+ install we know (Debian's split packages included) and not scheduled for removal. Sorted.
@@ -186,14 +187,7 @@ def write_text_atomically(path, text):
         raise UsageError(f"cannot write {path}: directory {directory} does not exist (create it first)")
     if os.path.isdir(path):
         raise UsageError(f"cannot write {path}: it is a directory (name a file)")
-    temporary = os.path.join(directory, f".{os.path.basename(path)}.tmp{os.getpid()}")
-    try:
-        with open(temporary, "w", encoding="utf-8", newline="\n") as f:
-            f.write(text)
-        os.replace(temporary, path)
-    finally:
-        if os.path.exists(temporary):
-            os.remove(temporary)
+    atomic_write(path, lambda f: f.write(text), text=True)
 
 
 def write_default_corpus(path):

@@ -34,6 +34,7 @@ import struct
 
 import numpy as np
 
+from minibert.atomic import commit, discard, temporary_path
 from minibert.errors import UsageError
 
 MAGIC = b"MMIDIDX\x00\x00"
@@ -200,7 +201,7 @@ class IndexedDatasetBuilder:
         if not os.path.isdir(out_dir):
             raise UsageError(f"output directory {out_dir} does not exist: create it or change "
                              "--output-prefix")
-        self._tmp_bin = f"{bin_path}.tmp{os.getpid()}"
+        self._tmp_bin = temporary_path(bin_path)
         self._tmp_idx = None
         self._file = open(self._tmp_bin, "wb")
         self.sequence_lengths = []
@@ -240,20 +241,19 @@ class IndexedDatasetBuilder:
         np.cumsum(lengths[:-1], dtype=np.int64, out=pointers[1:])
         pointers *= self.dtype.itemsize  # byte offsets, as Megatron stores them
         documents = np.asarray(self.document_indices, dtype=np.int64)
-        self._tmp_idx = f"{idx_path}.tmp{os.getpid()}"
+        self._tmp_idx = temporary_path(idx_path)
         with open(self._tmp_idx, "wb") as f:
             f.write(HEADER.pack(MAGIC, VERSION, CODE_OF_DTYPE[self.dtype], len(lengths), len(documents)))
             for array in (lengths, pointers, documents):
                 f.write(array.astype(array.dtype.newbyteorder("<"), copy=False).tobytes())
-        os.replace(self._tmp_bin, self.bin_path)
-        os.replace(self._tmp_idx, idx_path)
+        commit(self._tmp_bin, self.bin_path)  # the tokens first: an .idx never names a missing .bin
+        commit(self._tmp_idx, idx_path)
 
     def abort(self):
         """Drop everything written so far (used when preprocessing fails half way)."""
         self._file.close()
         for path in (self._tmp_bin, self._tmp_idx):
-            if path and os.path.exists(path):
-                os.remove(path)
+            discard(path)
 
     def __enter__(self):
         return self

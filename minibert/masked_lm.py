@@ -26,6 +26,7 @@ if __package__ in (None, ""):  # run as a script from a checkout: make `minibert
 
 import numpy as np
 
+from minibert.atomic import atomic_write
 from minibert.errors import OneLineArgumentParser, UsageError, exit_on_usage_error
 from minibert.indexed_dataset import IndexedDataset
 from minibert.sample_index import (SPLIT_NAMES, cached_sample_index, check_seed,
@@ -244,14 +245,7 @@ def _save_npz(path, arrays):
     directory = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(directory):
         raise UsageError(f"--save-npz {path}: directory {directory} does not exist; create it first")
-    tmp = f"{path}.tmp{os.getpid()}"
-    try:
-        with open(tmp, "wb") as f:
-            np.savez(f, **arrays)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    atomic_write(path, lambda f: np.savez(f, **arrays))
 
 
 @exit_on_usage_error

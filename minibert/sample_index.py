@@ -39,6 +39,7 @@ from array import array
 
 import numpy as np
 
+from minibert.atomic import atomic_write
 from minibert.config import parse_split
 from minibert.errors import UsageError
 from minibert.mersenne import MT19937_64
@@ -169,15 +170,7 @@ def cached_sample_index(cache_dir, bounds, sizes, **kwargs):
     if os.path.isfile(path):
         return np.load(path)
     index = build_sample_index(bounds, sizes, **kwargs)
-    os.makedirs(cache_dir, exist_ok=True)
-    tmp = f"{path}.tmp{os.getpid()}"
-    try:
-        with open(tmp, "wb") as f:
-            np.save(f, index)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    atomic_write(path, lambda f: np.save(f, index), make_dirs=True)
     return index
 
 
