@@ -1,15 +1,23 @@
 """Checkpoints in Megatron's legacy directory layout, written atomically, resumed exactly.
 
     SAVE/
-      latest_checkpointed_iteration.txt          "100"  (written last: it points at a complete file)
+      latest_checkpointed_iteration.txt          "100"  (written last: it points at a complete checkpoint)
       iter_0000100/
         mp_rank_00/model_optim_rng.pt            PP == 1: mp_rank_{tp:02d}
         mp_rank_01_003/model_optim_rng.pt        PP > 1:  mp_rank_{tp:02d}_{pp:03d}
+        mp_rank_00/distrib_optim_dp001.pt        ZeRO-1: data-parallel rank 1's optimizer shard
 
-Each file is one dict: iteration, checkpoint_version, model (minibert's own parameter names), optimizer
-(Adam moments, fp32 master weights, the fp16 loss scaler), opt_param_scheduler, rng_state (python,
-numpy, torch, cuda), consumed_train_samples, consumed_valid_samples and args (the Config as a plain
-dict). Everything in it is a tensor, number, string, list or dict, so it loads with
+With several processes, data-parallel rank 0 of each (tensor, pipeline) position writes its
+model_optim_rng.pt (the replicas hold the same model); with --use-distributed-optimizer every
+data-parallel rank also writes its own optimizer shard (Megatron's legacy format gathers the shards into
+one distrib_optim.pt on one rank; one file per rank means no rank ever holds the whole optimizer). Then
+all ranks meet at a barrier, and only then does global rank 0 write the tracker: a kill between two
+ranks' writes leaves the tracker on the previous, complete checkpoint.
+
+Each file is one dict: iteration, checkpoint_version, model (minibert's own parameter names: a stage's
+layers keep their full-model names), optimizer (by parameter name: Adam moments, fp32 masters, the fp16
+loss scaler), opt_param_scheduler, rng_state (python, numpy, torch, cuda), consumed_train_samples,
+consumed_valid_samples, data_stream (what shapes the sample stream) and args (the Config as a dict). Everything in it is a tensor, number, string, list or dict, so it loads with
 torch.load(weights_only=True): opening a checkpoint never runs code from the file.
 
 Exact resume needs all of it: the weights and Adam state, the LR step, the loss scale, where the data
@@ -20,6 +28,7 @@ disk (fsync) and renamed over the final name (os.replace is atomic on POSIX); th
 synced before the tracker is written. A crash mid-save leaves the old tracker pointing at the old,
 complete checkpoint."""
 import dataclasses
+import glob
 import os
 import random
 import sys
@@ -39,6 +48,10 @@ MODEL_SHAPE_ARGS = ["num_layers", "hidden_size", "num_attention_heads", "ffn_siz
 
 def tracker_path(checkpoints_dir: str) -> str:
     return os.path.join(checkpoints_dir, TRACKER_FILENAME)
+
+
+def distrib_optim_path(model_path: str, dp_rank: int) -> str:
+    return os.path.join(os.path.dirname(model_path), f"distrib_optim_dp{dp_rank:03d}.pt")
 
 
 def checkpoint_path(checkpoints_dir: str, iteration, tp_rank=0, pp_rank=0, pp_size=1) -> str:
@@ -83,18 +96,43 @@ def save_checkpoint(checkpoints_dir: str, iteration: int, state: dict, *, tp_ran
     return path
 
 
+def merged_state_dict(model_chunks) -> dict:
+    """One dict for this rank's model chunks (their names are the full model's, so they never clash)."""
+    chunks = model_chunks if isinstance(model_chunks, (list, tuple)) else [model_chunks]
+    return {k: v for chunk in chunks for k, v in chunk.state_dict().items()}
+
+
 def training_state(cfg, iteration, model, optimizer, scheduler, consumed_train_samples,
-                   consumed_valid_samples) -> dict:
-    """The dict stored in model_optim_rng.pt."""
+                   consumed_valid_samples, data_stream=None, rng_state=None) -> dict:
+    """The dict stored in model_optim_rng.pt. `model`: a model or this rank's list of chunks."""
     return {"iteration": iteration,
             "checkpoint_version": CHECKPOINT_VERSION,
-            "model": model.state_dict(),
+            "model": merged_state_dict(model),
             "optimizer": optimizer.state_dict(),
             "opt_param_scheduler": scheduler.state_dict(),
-            "rng_state": [get_rng_state()],  # one entry per data-parallel rank (one today)
+            "rng_state": [rng_state or get_rng_state()],  # the data-parallel replicas' generators are equal
             "consumed_train_samples": consumed_train_samples,
             "consumed_valid_samples": consumed_valid_samples,
+            "data_stream": data_stream,
             "args": model_args(cfg)}
+
+
+def save(checkpoints_dir, iteration, state, rank_state: dict, distributed_optimizer=False) -> str:
+    """Every rank calls this with its training_state: the files of the module docstring, a barrier, the
+    tracker. Returns the path of this rank's model file."""
+    path = checkpoint_path(checkpoints_dir, iteration, state.tp_rank, state.pp_rank, state.pp)
+    if distributed_optimizer:  # each DP rank's shard in its own file; the model file keeps a marker
+        shard = rank_state["optimizer"]
+        atomic_write(distrib_optim_path(path, state.dp_rank), lambda f: torch.save(shard, f), make_dirs=True)
+        rank_state = {**rank_state, "optimizer": {"distributed": True, "step": shard["step"],
+                                                  "grad_scaler": shard["grad_scaler"]}}
+    if state.dp_rank == 0:
+        atomic_write(path, lambda f: torch.save(rank_state, f), make_dirs=True)
+    state.barrier()  # every rank's files are in place ...
+    if state.rank == 0:  # ... before the tracker names them
+        atomic_write(tracker_path(checkpoints_dir), lambda f: f.write(f"{iteration}".encode()))
+    state.barrier()
+    return path
 
 
 # ---- load ----
@@ -123,51 +161,145 @@ REQUIRED_KEYS = ["iteration", "model", "optimizer", "opt_param_scheduler", "rng_
 RELEASE_KEYS = ["model", "args"]  # released weights carry no training state
 
 
+def read_file(path: str):
+    """torch.load(weights_only=True) of one checkpoint file; any failure is a bad file (UsageError)."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # any failure to read this file is a bad file, not a bug
+        reason = " ".join(str(e).split())[:200]
+        raise UsageError(f"checkpoint {path} is corrupt or not a minibert checkpoint ({type(e).__name__}: "
+                         f"{reason}): delete it or point --load elsewhere")
+
+
 def load_checkpoint(checkpoints_dir: str, *, tp_rank=0, pp_rank=0, pp_size=1):
-    """The dict of the latest checkpoint in `checkpoints_dir`, or None when there is no tracker."""
+    """The dict of the latest checkpoint in `checkpoints_dir` for this (tp, pp) position, or None when
+    there is no tracker. A checkpoint written with the distributed optimizer gets every DP rank's shard
+    under state["optimizer"]["shards"] (a list, any number)."""
     iteration = read_tracker(checkpoints_dir)
     if iteration is None:
         return None
     path = checkpoint_path(checkpoints_dir, iteration, tp_rank, pp_rank, pp_size)
     if not os.path.isfile(path):
+        others = sorted(glob.glob(os.path.join(os.path.dirname(os.path.dirname(path)), "mp_rank_*")))
+        if others and not os.path.isdir(os.path.dirname(path)):
+            raise UsageError(f"{checkpoints_dir} was written with another tensor/pipeline layout "
+                             f"({', '.join(os.path.basename(o) for o in others)}): " + CONVERT_HINT)
         raise UsageError(f"{tracker_path(checkpoints_dir)} points at {path}, which does not exist: "
                          "restore that file or fix the tracker")
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # any failure to read this file is a bad file, not a bug
-        reason = " ".join(str(e).split())[:200]
-        raise UsageError(f"checkpoint {path} is corrupt or not a minibert checkpoint ({type(e).__name__}: "
-                         f"{reason}): delete it or point --load elsewhere")
+    state = read_file(path)
     required = RELEASE_KEYS if iteration == RELEASE else REQUIRED_KEYS
     missing = [k for k in required if not isinstance(state, dict) or k not in state]
     if missing:
         raise UsageError(f"checkpoint {path} is not a minibert checkpoint (missing {', '.join(missing)}): "
                          "point --load at a directory written by minibert's --save")
+    if isinstance(state.get("optimizer"), dict) and state["optimizer"].get("distributed"):
+        shards = sorted(glob.glob(os.path.join(os.path.dirname(path), "distrib_optim_dp*.pt")))
+        if not shards:
+            raise UsageError(f"checkpoint {path} was saved with --use-distributed-optimizer but its "
+                             "distrib_optim_dp*.pt files are missing: restore them")
+        state["optimizer"]["shards"] = [read_file(f) for f in shards]
+    state["release"] = iteration == RELEASE
     return state
 
 
-def restore_training_state(state: dict, cfg, model, optimizer, scheduler):
-    """Put a loaded checkpoint back into the model, optimizer and scheduler. Returns (iteration,
-    consumed_train_samples, consumed_valid_samples). The random generators are the caller's to restore
-    (set_rng_state(state["rng_state"][0])) once nothing else will draw before the next step."""
-    saved = state["args"]
-    differ = [f"--{k.replace('_', '-')} {saved.get(k)} (now {getattr(cfg, k)})"
-              for k in MODEL_SHAPE_ARGS if saved.get(k) != getattr(cfg, k)]
+CONVERT_HINT = ("convert it with python -m minibert.checkpoint convert --load DIR --save NEW_DIR "
+                "--target-tensor-parallel-size T --target-pipeline-model-parallel-size P, or resume with the "
+                "checkpoint's layout")
+LAYOUT_ARGS = ["tensor_model_parallel_size", "pipeline_model_parallel_size",
+               "num_layers_per_virtual_pipeline_stage", "decoder_first_pipeline_num_layers",
+               "decoder_last_pipeline_num_layers"]
+
+
+def check_layout(saved_args: dict, cfg):
+    """Each rank's file holds its tensor/pipeline shard: another layout needs the converter."""
+    from minibert.config import Config
+    defaults = {f.name: f.default for f in dataclasses.fields(Config)}
+    differ = [f"--{k.replace('_', '-')} {saved_args.get(k, defaults[k])} (now {getattr(cfg, k)})"
+              for k in LAYOUT_ARGS if saved_args.get(k, defaults[k]) != getattr(cfg, k)]
+    if differ:
+        raise UsageError("the checkpoint was written with another parallel layout: " + ", ".join(differ)
+                         + "; " + CONVERT_HINT)
+
+
+def check_data_stream(saved, current, warn):
+    """Resume only into the same sample stream (batches.data_stream): another seed, data, split, ...
+    would make consumed_samples point into a different index. A changed --train-iters or evaluation
+    setting is normal when continuing a run: Megatron then rebuilds the index for the new number of
+    samples, which can reorder the rows still to come; warn once."""
+    if saved is None:
+        return
+    names = [k for k in current if k != "num_samples" and saved.get(k) != current[k]]
+    if names:
+        raise UsageError("the checkpoint's sample stream differs from these flags: "
+                         + ", ".join(f"--{k.replace('_', '-')}" for k in names)
+                         + " (the data, seed, sequence length, split, masking and vocab must stay as in the "
+                         "run being resumed; micro-batch and data-parallel sizes may change)")
+    changed = [k for k, v in current["num_samples"].items() if saved.get("num_samples", {}).get(k) != v]
+    if changed:
+        warn(f"{', '.join('--' + k.replace('_', '-') for k in changed)} changed since the checkpoint: Megatron's "
+             "sample counts change with them, so the remaining samples come from the rebuilt index")
+
+
+SHAPE_FLAGS = {"ffn_size": "--ffn-hidden-size", "max_positions": "--max-position-embeddings",
+               "vocab_size": "vocab size (--vocab-file)"}
+
+
+def check_model_args(saved_args: dict, cfg):
+    differ = [f"{SHAPE_FLAGS.get(k, '--' + k.replace('_', '-'))} {saved_args.get(k)} (now {getattr(cfg, k)})"
+              for k in MODEL_SHAPE_ARGS if saved_args.get(k) != getattr(cfg, k)]
     if differ:
         raise UsageError("the checkpoint's model differs from the flags: it was saved with "
-                         + ", ".join(differ) + "; use the checkpoint's values or another --load")
+                         + ", ".join(differ) + "; use the checkpoint's values (or --use-checkpoint-args) "
+                         "or another --load")
+
+
+def restore_training_state(state: dict, cfg, model, optimizer, scheduler, data_stream=None, warn=None):
+    """Put a loaded checkpoint back into the model (a model or this rank's chunks), optimizer and
+    scheduler. Returns (iteration, consumed_train_samples, consumed_valid_samples). With --finetune or
+    released weights only the weights are loaded and training starts at iteration 0 with a fresh
+    optimizer; --no-load-optim keeps the iteration but not the Adam state. The random generators are the
+    caller's to restore (set_rng_state(state["rng_state"][0])) once nothing else will draw before the
+    next step, unless --no-load-rng."""
+    warn = warn or (lambda m: print(f"warning: {m}", file=sys.stderr, flush=True))
+    check_model_args(state["args"], cfg)
+    check_layout(state["args"], cfg)
+    chunks = model if isinstance(model, (list, tuple)) else [model]
     try:
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
+        for chunk in chunks:
+            chunk.load_state_dict({k: state["model"][k] for k in chunk.state_dict()})
+        if state.get("release") or cfg.finetune:
+            optimizer.reload_masters()
+            return 0, 0, 0
+        check_data_stream(state.get("data_stream"), data_stream, warn) if data_stream else None
+        if cfg.no_load_optim:
+            optimizer.reload_masters()
+        else:
+            saved = state["optimizer"]
+            optimizer.load_state_dict(saved["shards"] if saved.get("distributed") else saved)
     except (RuntimeError, KeyError, ValueError) as e:
         reason = " ".join(str(e).split())[:200]
         raise UsageError(f"the checkpoint does not fit this model/optimizer ({reason}): "
                          "point --load at a checkpoint of the same configuration")
     changed = scheduler.load_state_dict(state["opt_param_scheduler"])
     if changed:
-        print(f"warning: the LR schedule differs from the checkpoint's ({', '.join(changed)}); "
-              "using the command line's", file=sys.stderr, flush=True)
+        warn(f"the LR schedule differs from the checkpoint's ({', '.join(changed)}); using the command line's")
     return state["iteration"], state["consumed_train_samples"], state["consumed_valid_samples"]
+
+
+def read_args(checkpoints_dir: str):
+    """The args stored in the latest checkpoint of a directory (for --use-checkpoint-args), or None."""
+    iteration = read_tracker(checkpoints_dir)
+    if iteration is None:
+        return None
+    iter_dir = os.path.dirname(os.path.dirname(checkpoint_path(checkpoints_dir, iteration)))
+    files = sorted(glob.glob(os.path.join(iter_dir, "mp_rank_*", "model_optim_rng.pt")))
+    if not files:
+        raise UsageError(f"{tracker_path(checkpoints_dir)} points at {iter_dir}, which holds no "
+                         "model_optim_rng.pt: restore it or fix the tracker")
+    state = read_file(files[0])
+    if not isinstance(state, dict) or "args" not in state:
+        raise UsageError(f"checkpoint {files[0]} is not a minibert checkpoint (no args)")
+    return state["args"]
 
 
 # ---- weights only: Megatron's "release" checkpoints ----

@@ -1,14 +1,16 @@
 """One typed config for model and training, with Megatron-LM's flag names.
 
 Every field is a command-line flag: `num_layers` is `--num-layers`. Defaults are Megatron's, each with
-the reason beside it. `parse_args(argv)` builds a Config from the command line and `validate(cfg)` is
-the one place that checks a config and says what to change when it is wrong.
+the reason beside it. `parse_args(argv)` builds a Config from the command line and `validate(cfg, ...)` is
+the one place that checks a config, fills the values derived from it (global batch, vocab size, data-parallel
+size, the CPU fallbacks) and says what to change when it is wrong. Nothing else changes a Config.
 
 The same object configures the model (the notebook builds `Config(num_layers=4, ...)` by hand) and
 the trainer (`python minibert/train.py --num-layers 4 ...`)."""
 import argparse
 import dataclasses
 import math
+import sys
 from dataclasses import dataclass, field
 
 from minibert.errors import OneLineArgumentParser, UsageError
@@ -41,12 +43,37 @@ class Config:
                                    choices=["auto", "local", "unfused", "fused", "flash"])
     sparse_mlm: bool = _flag(False, "send only masked positions through the LM head (faster; "
                                     "off for Megatron parity)")
-    recompute_activations: bool = _flag(False, "recompute layer activations in the backward (saves memory)")
+    preset: str = _flag(None, "fill the model flags of a known size (flags given explicitly win)",
+                        choices=["340m", "4b", "20b"])
+    # ---- activation recompute ----
+    recompute_activations: bool = _flag(False, "selective recompute: redo the attention core in the backward "
+                                               "instead of storing its s x s activations")
+    recompute_granularity: str = _flag(None, "full: recompute whole layers; selective: as "
+                                             "--recompute-activations", choices=["full", "selective"])
+    recompute_method: str = _flag(None, "full recompute: uniform (every group of --recompute-num-layers) or "
+                                        "block (the first --recompute-num-layers layers of each stage)",
+                                  choices=["uniform", "block"])
+    recompute_num_layers: int = _flag(None, "layers per recompute group (uniform) or recomputed (block)")
     # ---- parallelism ----
     tensor_model_parallel_size: int = _flag(1, "TP: split each layer's matrices over this many GPUs")
     pipeline_model_parallel_size: int = _flag(1, "PP: split the layers into this many stages")
-    distributed_backend: str = _flag("nccl", "torch.distributed backend (CPU falls back to gloo)",
+    sequence_parallel: bool = _flag(False, "with TP: LayerNorm/dropout/residual on a 1/TP slice of the sequence")
+    num_layers_per_virtual_pipeline_stage: int = _flag(None, "interleaved 1F1B: layers per model chunk "
+                                                             "(each stage holds several chunks)")
+    decoder_first_pipeline_num_layers: int = _flag(None, "uneven pipeline: layers on the first stage")
+    decoder_last_pipeline_num_layers: int = _flag(None, "uneven pipeline: layers on the last stage "
+                                                        "(it also runs the LM head)")
+    distributed_backend: str = _flag(None, "torch.distributed backend (default: nccl on GPUs, gloo on CPU)",
                                      choices=["nccl", "gloo"])
+    distributed_timeout_minutes: float = _flag(10.0, "a collective waiting longer than this fails the run "
+                                                      "(a fraction works: 0.1 = 6 s)")
+    use_distributed_optimizer: bool = _flag(False, "ZeRO-1: shard fp32 master weights and Adam moments over "
+                                                   "data-parallel ranks")
+    ddp_bucket_size: int = _flag(None, "gradient elements per all-reduce bucket "
+                                       "(default: max(40M, 1M x DP), as Megatron)")
+    overlap_grad_reduce: bool = _flag(False, "all-reduce each bucket during the last micro-batch's backward, "
+                                             "as soon as its gradients are ready")
+    data_parallel_size: int = field(default=1, metadata=dict(help=None))  # world / (TP x PP), set by validate
     # ---- batch and schedule ----
     micro_batch_size: int = _flag(None, "samples per forward/backward on one GPU")
     global_batch_size: int = _flag(None, "samples per optimizer step, all GPUs (default: micro x DP)")
@@ -72,15 +99,20 @@ class Config:
     loss_scale_window: int = _flag(1000, "fp16: double the scale after this many clean steps")
     hysteresis: int = _flag(2, "fp16: overflows tolerated before the scale is halved")
     seed: int = _flag(1234, "seeds data sampling, masking, init and dropout")
+    check_for_nan_in_loss_and_grad: bool = _flag(True, "stop at a non-finite loss or grad norm (off: skip "
+                                                       "the update and count a nan iteration)",
+                                                 action=argparse.BooleanOptionalAction)
     # ---- data ----
-    data_path: list = _flag(None, "prefix of the .bin/.idx pair (e.g. corpus_text_sentence)", nargs="+")
+    data_path: list = _flag(None, "prefix of the .bin/.idx pair (e.g. corpus_text_sentence), or a blend: "
+                                  "weight prefix weight prefix ...", nargs="+")
+    data_cache_path: str = _flag(None, "where the sample indexes are cached (default: beside the data)")
     split: str = _flag("969, 30, 1", "train, valid, test weights over the documents")
     vocab_file: str = _flag(None, "WordPiece vocab.txt (default: the bundled bert-base-uncased)")
     tokenizer_type: str = _flag("BertWordPieceLowerCase", "tokenizer",
                                 choices=["BertWordPieceLowerCase", "BertWordPieceCase"])
     mask_prob: float = _flag(0.15, "fraction of tokens selected for the masked-LM loss")
     short_seq_prob: float = _flag(0.1, "probability of a shorter target length for a sample")
-    num_workers: int = _flag(2, "DataLoader worker processes")
+    num_workers: int = _flag(None, "DataLoader worker processes (default: 2 on a GPU, 0 on the CPU)")
     # ---- checkpoints, evaluation, logging ----
     save: str = _flag(None, "directory for checkpoints")
     load: str = _flag(None, "directory to resume from")
@@ -90,6 +122,16 @@ class Config:
     eval_iters: int = _flag(100, "validation batches per evaluation")
     log_interval: int = _flag(100, "print a log line every this many iterations")
     tensorboard_dir: str = _flag(None, "write TensorBoard scalars here")
+    finetune: bool = _flag(False, "--load only the weights; start at iteration 0 with a fresh optimizer")
+    no_load_optim: bool = _flag(False, "--load without the optimizer state (fresh Adam moments)")
+    no_load_rng: bool = _flag(False, "--load without the random generators' states")
+    use_checkpoint_args: bool = _flag(False, "take the model shape flags from the --load checkpoint")
+    exit_signal_handler: bool = _flag(False, "on SIGTERM/SIGINT: save at the end of the iteration, exit 0")
+    # ---- tools ----
+    profile: bool = _flag(False, "write a torch profiler trace of iterations [--profile-step-start, end)")
+    profile_step_start: int = _flag(10, "first profiled iteration")
+    profile_step_end: int = _flag(12, "profiling stops before this iteration")
+    pipeline_trace: bool = _flag(False, "print every pipeline send/receive, in order, per rank")
 
     # ---- derived values (not flags) ----
     @property
@@ -99,6 +141,23 @@ class Config:
     @property
     def max_positions(self) -> int:
         return self.max_position_embeddings or self.seq_length
+
+    @property
+    def num_micro_batches(self) -> int:
+        """Micro-batches each data-parallel rank runs per step (gradient accumulation)."""
+        return self.global_batch_size // (self.micro_batch_size * self.data_parallel_size)
+
+    @property
+    def virtual_pipeline_size(self) -> int:
+        """Model chunks per pipeline stage (1 without the interleaved schedule)."""
+        if self.num_layers_per_virtual_pipeline_stage is None:
+            return 1
+        return self.num_layers // (self.pipeline_model_parallel_size * self.num_layers_per_virtual_pipeline_stage)
+
+    @property
+    def recompute(self) -> str:
+        """None, "selective" or "full": what the layers recompute in the backward."""
+        return "selective" if self.recompute_activations else self.recompute_granularity
 
     @property
     def binary_head(self) -> bool:
@@ -127,23 +186,55 @@ def parse_split(split: str) -> list:
     return weights + [0.0] * (3 - len(weights))
 
 
+PRESETS = {  # the three sizes of Megatron's BERT example (BERT-large is its "340M")
+    "340m": dict(num_layers=24, hidden_size=1024, num_attention_heads=16, seq_length=512, max_position_embeddings=512),
+    "4b": dict(num_layers=48, hidden_size=2560, num_attention_heads=32, seq_length=512, max_position_embeddings=512),
+    "20b": dict(num_layers=48, hidden_size=6144, num_attention_heads=96, seq_length=512, max_position_embeddings=512),
+}
+
 # Flags whose feature arrives in a later part of the course: accepted, then refused with this reason.
 NOT_SUPPORTED_YET = {
     "tensor_model_parallel_size": (lambda v: v != 1, "tensor parallelism (--tensor-model-parallel-size > 1)"),
     "pipeline_model_parallel_size": (lambda v: v != 1, "pipeline parallelism (--pipeline-model-parallel-size > 1)"),
+    "sequence_parallel": (lambda v: v, "--sequence-parallel"),
+    "num_layers_per_virtual_pipeline_stage": (lambda v: v is not None, "--num-layers-per-virtual-pipeline-stage"),
     "recompute_activations": (lambda v: v, "activation recompute (--recompute-activations)"),
+    "recompute_granularity": (lambda v: v is not None, "activation recompute (--recompute-granularity)"),
+    "exit_signal_handler": (lambda v: v, "--exit-signal-handler"),
+    "profile": (lambda v: v, "--profile"),
+    "pipeline_trace": (lambda v: v, "--pipeline-trace"),
 }
 
 
-def validate(cfg: Config, world_size: int = 1) -> Config:
-    """Check a config, fill derived defaults in place, and return it. Raises UsageError naming the fix."""
+def _flag_name(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _warn(message):
+    print(f"warning: {message}", file=sys.stderr, flush=True)
+
+
+def validate(cfg: Config, world_size: int = 1, device_type: str = "cpu", warn=_warn) -> Config:
+    """Check a config for a run of `world_size` processes on `device_type`, fill every derived value in
+    place (the one place that does), and return it. Raises UsageError naming the fix. `warn(message)` is
+    called for each change made for this machine (None: silently). Needs no process group, so every
+    rank checks its flags before the first collective and a bad layout exits instead of hanging."""
+    warn = warn or (lambda message: None)
+    if cfg.preset is not None:  # explicit flags win over the preset's
+        for name, value in PRESETS[cfg.preset].items():
+            if getattr(cfg, name) is None:
+                setattr(cfg, name, value)
     for name in ["num_layers", "hidden_size", "num_attention_heads", "seq_length",
                  "micro_batch_size", "train_iters", "lr"]:
         if getattr(cfg, name) is None:
-            raise UsageError(f"--{name.replace('_', '-')} is required")
+            raise UsageError(f"{_flag_name(name)} is required")
     for name, (is_used, what) in NOT_SUPPORTED_YET.items():
         if is_used(getattr(cfg, name)):
             raise UsageError(f"{what} is not supported yet; run without it")
+    for name in ["num_layers", "hidden_size", "num_attention_heads", "seq_length",
+                 "micro_batch_size", "train_iters", "log_interval", "eval_interval"]:
+        if getattr(cfg, name) <= 0:
+            raise UsageError(f"{_flag_name(name)} must be positive")
     if cfg.hidden_size % cfg.num_attention_heads:
         raise UsageError(f"--hidden-size {cfg.hidden_size} must be divisible by "
                          f"--num-attention-heads {cfg.num_attention_heads}")
@@ -154,23 +245,16 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
         raise UsageError("--fp16 and --bf16 are exclusive: pick one")
     if cfg.lr_warmup_fraction is not None and cfg.lr_warmup_iters:
         raise UsageError("--lr-warmup-fraction and --lr-warmup-iters are exclusive: pick one")
-    if cfg.data_path is not None and len(cfg.data_path) != 1:
-        raise UsageError("--data-path takes one prefix; weighted blends of several datasets are "
-                         "not supported yet")
-    for name in ["num_layers", "hidden_size", "num_attention_heads", "seq_length",
-                 "micro_batch_size", "train_iters", "log_interval", "eval_interval"]:
-        if getattr(cfg, name) <= 0:
-            raise UsageError(f"--{name.replace('_', '-')} must be positive")
     parse_split(cfg.split)
-    model_parallel = cfg.tensor_model_parallel_size * cfg.pipeline_model_parallel_size
-    if world_size % model_parallel:
-        raise UsageError(f"{world_size} processes cannot be split into TP x PP = {model_parallel} groups")
-    dp = world_size // model_parallel
+    if cfg.data_path is not None:
+        parse_data_path(cfg.data_path)
+    _validate_layout(cfg, world_size)
     if cfg.global_batch_size is None:
-        cfg.global_batch_size = cfg.micro_batch_size * dp
-    if cfg.global_batch_size % (cfg.micro_batch_size * dp):
+        cfg.global_batch_size = cfg.micro_batch_size * cfg.data_parallel_size
+    if cfg.global_batch_size % (cfg.micro_batch_size * cfg.data_parallel_size):
         raise UsageError(f"--global-batch-size {cfg.global_batch_size} must be a multiple of "
-                         f"--micro-batch-size x data-parallel size = {cfg.micro_batch_size} x {dp}")
+                         f"--micro-batch-size x data-parallel size = {cfg.micro_batch_size} x "
+                         f"{cfg.data_parallel_size}")
     if cfg.lr_decay_iters is None:
         cfg.lr_decay_iters = cfg.train_iters
     warmup_iters = (cfg.lr_warmup_fraction * cfg.lr_decay_iters if cfg.lr_warmup_fraction is not None
@@ -179,20 +263,79 @@ def validate(cfg: Config, world_size: int = 1) -> Config:
         raise UsageError(f"the LR warmup ({warmup_iters:g} iterations) must be shorter than --lr-decay-iters "
                          f"{cfg.lr_decay_iters}: lower --lr-warmup-iters / --lr-warmup-fraction or raise "
                          "--lr-decay-iters")
+    if cfg.distributed_timeout_minutes <= 0:
+        raise UsageError(f"--distributed-timeout-minutes {cfg.distributed_timeout_minutes} must be positive "
+                         "(e.g. 10, or 0.1 for 6 seconds)")
+    if cfg.ddp_bucket_size is not None and cfg.ddp_bucket_size <= 0:
+        raise UsageError(f"--ddp-bucket-size {cfg.ddp_bucket_size} must be positive (gradient elements)")
+    _validate_for_device(cfg, device_type, warn)
+    from minibert.tokenizer import build_tokenizer  # the vocab's size sizes the embedding
+    cfg.vocab_size = build_tokenizer(cfg.tokenizer_type, cfg.vocab_file).vocab_size
     return cfg
+
+
+def _validate_layout(cfg: Config, world_size: int):
+    """TP x PP x DP: the sizes divide the world, the layers and the matrices (Megatron's checks)."""
+    from minibert.parallel.state import check_sizes
+    tp, pp = cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size
+    cfg.data_parallel_size = check_sizes(world_size, tp, pp)
+    for name in ("num_attention_heads", "hidden_size", "ffn_size"):
+        if getattr(cfg, name) % tp:
+            flag = "--ffn-hidden-size" if name == "ffn_size" else _flag_name(name)
+            raise UsageError(f"{flag} {getattr(cfg, name)} must be divisible by --tensor-model-parallel-size {tp}")
+
+
+def _validate_for_device(cfg: Config, device_type: str, warn):
+    """The defaults that depend on the machine, and the flags it cannot honour (warned, then changed)."""
+    if device_type == "cuda":
+        cfg.distributed_backend = cfg.distributed_backend or "nccl"
+        cfg.num_workers = 2 if cfg.num_workers is None else cfg.num_workers
+        return
+    if cfg.fp16:
+        warn("--fp16 needs a GPU; running in fp32 on the CPU")
+        cfg.fp16 = False
+    if cfg.distributed_backend == "nccl":
+        warn("--distributed-backend nccl needs GPUs; using gloo on the CPU")
+    cfg.distributed_backend = "gloo"
+    if cfg.num_workers:
+        # measured on 2 cores: 1.3 s per train-small iteration with samples built in this process,
+        # 4-10 s with 2 worker processes competing with training for the cores
+        warn(f"--num-workers {cfg.num_workers} -> 0 on the CPU: worker processes would compete with "
+             "training for the cores")
+    cfg.num_workers = 0
+
+
+def parse_data_path(data_path: list) -> list:
+    """--data-path P  or  --data-path W1 P1 W2 P2 ... -> [(weight, prefix), ...] (weights not normalised)."""
+    if len(data_path) == 1:
+        return [(1.0, data_path[0])]
+    form = "--data-path PREFIX, or weights and prefixes alternating: --data-path 0.3 A 0.7 B"
+    if len(data_path) % 2:
+        raise UsageError(f"--data-path {' '.join(data_path)}: an odd number of entries; use {form}")
+    pairs = []
+    for weight, prefix in zip(data_path[0::2], data_path[1::2]):
+        try:
+            w = float(weight)
+        except ValueError:
+            raise UsageError(f"--data-path: {weight!r} is not a weight; use {form}") from None
+        if not w > 0 or math.isinf(w):
+            raise UsageError(f"--data-path: weight {weight} must be a positive number; use {form}")
+        pairs.append((w, prefix))
+    return pairs
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineArgumentParser(description="minibert: Megatron-style BERT pretraining",
-                            allow_abbrev=False)
+                                   allow_abbrev=False)
     for f in dataclasses.fields(Config):
         if f.metadata.get("help") is None:
             continue
-        flag = "--" + f.name.replace("_", "-")
+        flag = _flag_name(f.name)
         extra = {k: v for k, v in f.metadata.items() if k != "help"}
         help_text = f.metadata["help"].replace("%", "%%")  # argparse treats % as a format character
-        if f.type is bool:
-            parser.add_argument(flag, action="store_true", help=help_text)
+        if f.type is bool or f.type == "bool":
+            extra.setdefault("action", "store_true")
+            parser.add_argument(flag, default=f.default, help=help_text, **extra)
         else:
             kind = {"int": int, "float": float, "str": str, "list": str}[
                 f.type if isinstance(f.type, str) else f.type.__name__]

@@ -20,8 +20,18 @@ LayerNorm and no LayerNorm on the embeddings. Post-LN normalises after every res
 embeddings included.
 
 This file has no parallel code: tensor and pipeline parallelism are applied from outside (minibert.parallel)
-by swapping the Linear/Embedding modules named here. Tensors are [b, s, h] (Megatron uses [s, b, h])."""
-import math
+by swapping the Linear/Embedding modules named here, and every reshape uses this rank's local sizes (-1), so
+a layer whose QKV holds only some of the heads runs unchanged. A pipeline stage is a BertModel that owns a
+slice of the layers (`layer_numbers`), the embedding only on the first stage (`pre_process`) and the heads
+only on the last (`post_process`); forward = embed -> encode -> head, so each stage runs its part.
+Tensors are [b, s, h] (Megatron uses [s, b, h]).
+
+Init: every parameter is drawn from its own generator, seeded by (config.seed, the parameter's name), at
+its full shape (init_parameters). The weights then do not depend on which parameters a process builds
+or in which order: a stage holding layers 6..11, or a rank holding half of every matrix, draws exactly
+the numbers of the one-process model."""
+import contextlib
+import hashlib
 from collections import namedtuple
 
 import torch
@@ -38,7 +48,8 @@ class Embedding(nn.Module):
     """tokens, types [b, s] -> [b, s, h] = word[tokens] + position[0..s) + tokentype[types].
 
     The word table has config.padded_vocab_size rows (Megatron pads the vocab so it splits evenly over
-    tensor-parallel ranks); rows past vocab_size are never looked up, and the LM head drops their logits."""
+    tensor-parallel ranks); rows past vocab_size are never looked up, and the LM head drops their logits.
+    Tensor parallelism swaps word_embeddings for a VocabParallelEmbedding (each rank a block of rows)."""
 
     def __init__(self, config):
         super().__init__()
@@ -72,26 +83,31 @@ class SelfAttention(nn.Module):
 
     so any contiguous block of rows holds whole heads with their q, k and v together. Tensor parallelism
     can then split this Linear by plain column blocks (rank r gets heads [r*n/p, (r+1)*n/p)) and every rank
-    runs attention on its own heads without communicating. (HF keeps separate query/key/value matrices;
-    minibert.convert interleaves them.)"""
+    runs attention on its own heads without communicating: the reshapes below take the head count from
+    the tensor (-1), never from the config. (HF keeps separate query/key/value matrices; minibert.convert
+    interleaves them.)
+
+    `rng_context` wraps the attention (its dropout draws random numbers): a no-op here; tensor parallelism
+    sets it to a generator of this rank's own, since each rank drops entries of different heads."""
 
     def __init__(self, config):
         super().__init__()
         h = config.hidden_size
-        self.heads = config.num_attention_heads
-        self.head_dim = h // self.heads
+        self.head_dim = h // config.num_attention_heads
         self.query_key_value = nn.Linear(h, 3 * h)  # column-parallel under TP
         self.dense = nn.Linear(h, h)  # row-parallel under TP; an "output projection" for the init
         self.dropout = config.attention_dropout
+        self.rng_context = contextlib.nullcontext
 
     def forward(self, x, padding_mask, backend):
-        b, s, h = x.shape
-        qkv = self.query_key_value(x)  # [b, s, 3h]
-        qkv = qkv.view(b, s, self.heads, 3, self.head_dim)  # [b, s, heads, 3, d]
+        b, s, _ = x.shape
+        qkv = self.query_key_value(x)  # [b, s, 3 * local heads * d]
+        qkv = qkv.view(b, s, -1, 3, self.head_dim)  # [b, s, heads, 3, d]
         q, k, v = qkv.permute(3, 0, 2, 1, 4).unbind(0)  # 3 x [b, heads, s, d]
         dropout_p = self.dropout if self.training else 0.0
-        out = attention(q, k, v, padding_mask, backend=backend, dropout_p=dropout_p)  # [b, heads, s, d]
-        out = out.transpose(1, 2).reshape(b, s, h)  # [b, s, heads, d] -> [b, s, h]
+        with self.rng_context():
+            out = attention(q, k, v, padding_mask, backend=backend, dropout_p=dropout_p)  # [b, heads, s, d]
+        out = out.transpose(1, 2).reshape(b, s, -1)  # [b, s, heads, d] -> [b, s, heads * d]
         return self.dense(out)
 
 
@@ -131,81 +147,121 @@ class TransformerLayer(nn.Module):
         return x + drop(self.mlp(self.mlp_layernorm(x)))
 
 
-class LMHead(nn.Module):
-    """hidden [..., h] -> logits [..., vocab_size]: dense, GeLU, LayerNorm, then the *tied* decoder
-    x @ word_embeddings^T + bias (no weight of its own: input and output share one table).
+class TiedDecoder(nn.Module):
+    """x [..., h] @ W^T + b -> logits [..., vocab_size], where W is the word-embedding table the caller
+    passes in: the decoder has no weight of its own (input and output share one table, "tied").
 
     The table has padded_vocab_size rows (Megatron pads the vocab so it splits evenly over tensor-parallel
-    ranks) but the decoder multiplies only its first vocab_size rows, so the softmax/CE only ever covers
-    the real vocab: the padding can never change the loss, whatever its rows hold, and every TP layout
-    gives the same model. Slicing the *weight* [vocab, h], not the *logits* [tokens, vocab], keeps the
-    logits contiguous; slicing them would copy the model's largest activation and, in the backward,
-    zero-fill a tensor of its padded size."""
+    ranks) but only its first vocab_size rows are multiplied, so the softmax/CE only ever covers the real
+    vocab: the padding can never change the loss, whatever its rows hold. Slicing the *weight* [vocab, h],
+    not the *logits* [tokens, vocab], keeps the logits contiguous. Tensor parallelism swaps this module for
+    a vocab-parallel one (each rank multiplies its block of rows; the cross entropy masks the padding)."""
+
+    def __init__(self, vocab_size):
+        super().__init__()
+        self.vocab_size = vocab_size
+
+    def forward(self, x, weight, bias):
+        v = self.vocab_size  # the real vocab: rows past it are padding
+        return F.linear(x, weight[:v], bias[:v])  # [..., h] @ [h, vocab] -> [..., vocab_size]
+
+
+class LMHead(nn.Module):
+    """hidden [..., h] -> logits: dense, GeLU, LayerNorm, then the tied decoder (see TiedDecoder)."""
 
     def __init__(self, config):
         super().__init__()
         h = config.hidden_size
-        self.vocab_size = config.vocab_size
         self.dense = nn.Linear(h, h)
         self.layernorm = nn.LayerNorm(h, eps=config.layernorm_epsilon)
         self.bias = nn.Parameter(torch.zeros(config.padded_vocab_size))
+        self.decoder = TiedDecoder(config.vocab_size)
 
     def forward(self, hidden, word_embeddings):
         x = self.layernorm(F.gelu(self.dense(hidden)))  # [..., h]
-        v = self.vocab_size  # the real vocab: rows past it are padding
-        return F.linear(x, word_embeddings[:v], self.bias[:v])  # [..., h] @ [h, vocab] -> [..., vocab_size]
+        return self.decoder(x, word_embeddings, self.bias)
+
+
+class WordEmbeddingCopy(nn.Module):
+    """The last pipeline stage's copy of the word table, for the tied LM head when the embedding lives on
+    the first stage. Same name as the original (embedding.word_embeddings), same init; the pipeline sums
+    the two copies' gradients every step, so they stay equal."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.word_embeddings = nn.Embedding(config.padded_vocab_size, config.hidden_size)
+
+
+class Layers(nn.ModuleDict):
+    """The transformer layers a model holds, keyed by their global index (a pipeline stage holds a slice,
+    e.g. layers 6..11), so parameter names are the full model's: layers.7.mlp.dense_h_to_4h.weight.
+    model.layers[7] is layer 7; a negative index counts from this model's last layer."""
+
+    def __getitem__(self, index):
+        if isinstance(index, int) and index < 0:
+            return list(self.values())[index]
+        return super().__getitem__(str(index))
+
+
+def lm_cross_entropy(logits, labels):
+    """Per-position CE in fp32 (bf16/fp16 logits lose too much precision in the log-softmax): logits
+    [n, vocab], labels [n] (-1: not a masked position) -> [n]. Tensor parallelism swaps in a vocab-parallel
+    cross entropy that takes logits [n, vocab / TP]."""
+    return F.cross_entropy(logits.float(), labels, ignore_index=-1, reduction="none")
 
 
 class BertModel(nn.Module):
     """BERT for pretraining: masked-LM head (tied) and, unless config.binary_head is False, the pooler and
-    the sentence-order (SOP) binary head. See the module docstring for the picture."""
+    the sentence-order (SOP) binary head. See the module docstring for the picture.
 
-    def __init__(self, config):
+    BertModel(config) is the whole model. A pipeline stage passes the layers it owns (global indices:
+    parameters keep their full-model names, e.g. layers.7.mlp...), pre_process (it has the embedding) and
+    post_process (it has the final LayerNorm and the heads). init=False leaves the parameters
+    uninitialised (e.g. built on the meta device, to be sharded before init_parameters)."""
+
+    def __init__(self, config, layer_numbers=None, pre_process=True, post_process=True, init=True):
         super().__init__()
         self.config = config
+        self.pre_process, self.post_process = pre_process, post_process
         h, eps = config.hidden_size, config.layernorm_epsilon
-        self.embedding = Embedding(config)
-        self.layers = nn.ModuleList(TransformerLayer(config) for _ in range(config.num_layers))
-        self.final_layernorm = None if config.post_ln else nn.LayerNorm(h, eps=eps)
-        self.lm_head = LMHead(config)
-        self.pooler = nn.Linear(h, h) if config.binary_head else None
-        self.binary_head = nn.Linear(h, 2) if config.binary_head else None
-        self.reset_parameters()
-
-    @torch.no_grad()
-    def reset_parameters(self):
-        """Megatron's init: weights N(0, std), the two output projections of each layer (the ones adding
-        into the residual stream) N(0, std / sqrt(2L)) so the stream's variance does not grow with depth;
-        biases 0; LayerNorm weight 1, bias 0. Deterministic under torch.manual_seed (fixed module order)."""
-        std = self.config.init_method_std
-        output_std = std / math.sqrt(2.0 * self.config.num_layers)
-        outputs = {id(m) for layer in self.layers for m in (layer.self_attention.dense, layer.mlp.dense_4h_to_h)}
-        for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                module.weight.normal_(0.0, output_std if id(module) in outputs else std)
-            if isinstance(module, nn.LayerNorm):
-                module.weight.fill_(1.0)
-            if isinstance(module, (nn.Linear, nn.LayerNorm)) and module.bias is not None:
-                module.bias.zero_()
-        self.lm_head.bias.zero_()
+        layer_numbers = range(config.num_layers) if layer_numbers is None else layer_numbers
+        if pre_process:
+            self.embedding = Embedding(config)
+        elif post_process:
+            self.embedding = WordEmbeddingCopy(config)
+        self.layers = Layers({str(i): TransformerLayer(config) for i in layer_numbers})
+        if post_process:
+            self.final_layernorm = None if config.post_ln else nn.LayerNorm(h, eps=eps)
+            self.lm_head = LMHead(config)
+            self.pooler = nn.Linear(h, h) if config.binary_head else None
+            self.binary_head = nn.Linear(h, 2) if config.binary_head else None
+        self.lm_cross_entropy = lm_cross_entropy  # swappable (vocab-parallel under TP)
+        if init:
+            init_parameters(self, config.seed)
 
     def attention_backend(self, device) -> str:
         """config.attention_backend resolved for this device and compute dtype (autocast's if it is on)."""
-        dtype = self.embedding.word_embeddings.weight.dtype
+        dtype = next(self.parameters()).dtype
         if torch.is_autocast_enabled(device.type):
             dtype = torch.get_autocast_dtype(device.type)
         return resolve_backend(self.config.attention_backend, device, dtype,
                                self.config.hidden_size // self.config.num_attention_heads)
 
-    def forward(self, tokens, types=None, padding_mask=None, lm_mask=None):
-        """tokens, types int64 [b, s]; padding_mask bool [b, s] (True = padding); lm_mask bool [b, s]: with
-        config.sparse_mlm, only these positions go through the LM head (lm_logits [n, vocab], row-major)."""
-        backend = self.attention_backend(tokens.device)  # once per forward, shared by every layer
-        x = self.embedding(tokens, types)  # [b, s, h]
-        for layer in self.layers:
-            x = layer(x, padding_mask, backend)  # [b, s, h]
-        hidden = x if self.final_layernorm is None else self.final_layernorm(x)
+    def embed(self, tokens, types=None):
+        """First stage: tokens, types [b, s] -> x [b, s, h]."""
+        return self.embedding(tokens, types)
 
+    def encode(self, x, padding_mask=None):
+        """This model's layers (and, on the last stage of pre-LN, the final LayerNorm): [b, s, h] -> [b, s, h]."""
+        backend = self.attention_backend(x.device)  # once per forward, shared by every layer
+        for layer in self.layers.values():
+            x = layer(x, padding_mask, backend)  # [b, s, h]
+        if self.post_process and self.final_layernorm is not None:
+            x = self.final_layernorm(x)
+        return x
+
+    def head(self, hidden, lm_mask=None) -> BertOutput:
+        """Last stage: hidden [b, s, h] -> BertOutput (lm logits, SOP logits, hidden)."""
         binary_logits = None
         if self.binary_head is not None:
             pooled = torch.tanh(self.pooler(hidden[:, 0]))  # [b, h]: the [CLS] position
@@ -217,15 +273,73 @@ class BertModel(nn.Module):
         lm_logits = self.lm_head(lm_input, self.embedding.word_embeddings.weight)
         return BertOutput(lm_logits, binary_logits, hidden)
 
+    def forward(self, tokens, types=None, padding_mask=None, lm_mask=None, hidden_states=None):
+        """tokens, types int64 [b, s]; padding_mask bool [b, s] (True = padding); lm_mask bool [b, s]: with
+        config.sparse_mlm, only these positions go through the LM head (lm_logits [n, vocab], row-major).
+        A stage without the embedding takes the previous stage's output as hidden_states; a stage without
+        the heads returns its hidden states [b, s, h] instead of a BertOutput."""
+        x = self.embed(tokens, types) if self.pre_process else hidden_states
+        x = self.encode(x, padding_mask)
+        return self.head(x, lm_mask) if self.post_process else x
 
-def pretraining_loss(output, labels, loss_mask, is_random, sparse=False):
+
+# ---------------------------------------------------------------- init
+OUTPUT_PROJECTIONS = ("self_attention.dense.weight", "mlp.dense_4h_to_h.weight")  # add into the residual
+
+
+def name_seed(seed: int, name: str) -> int:
+    """A 63-bit seed from (--seed, parameter name), the same in every process and on every run."""
+    return int.from_bytes(hashlib.sha256(f"{seed}/{name}".encode()).digest()[:8], "little") >> 1
+
+
+def full_shape(param) -> tuple:
+    """The shape of the whole tensor this parameter is a block of (its own shape when not sharded)."""
+    return tuple(getattr(param, "full_shape", param.shape))
+
+
+def shard(full, param):
+    """This process's block of a full tensor: tensor parallelism marks a sharded parameter with
+    partition_dim / partition_index / partition_count (Megatron: tensor_model_parallel, partition_dim)."""
+    if not hasattr(param, "partition_dim"):
+        return full
+    return full.chunk(param.partition_count, param.partition_dim)[param.partition_index]
+
+
+@torch.no_grad()
+def init_parameters(model, seed):
+    """Megatron's init, drawn per parameter name: weights N(0, std); the two output projections of each
+    layer (the ones adding into the residual stream) N(0, std / sqrt(2L)) so the stream's variance does not
+    grow with depth; biases 0; LayerNorm weight 1. Each weight is drawn at its full shape from
+    torch.Generator().manual_seed(name_seed(seed, name)), then this process keeps its block (shard). The
+    word table is drawn for the real vocab and its padding rows are 0: the real rows do not depend on
+    how much padding the tensor-parallel size asks for."""
+    cfg = model.config
+    std = cfg.init_method_std
+    output_std = std / (2.0 * cfg.num_layers) ** 0.5
+    for name, param in model.named_parameters():
+        if "layernorm" in name:
+            param.fill_(1.0 if name.endswith(".weight") else 0.0)
+            continue
+        if name.endswith("bias"):
+            param.zero_()
+            continue
+        shape = full_shape(param)
+        rows = cfg.vocab_size if name == "embedding.word_embeddings.weight" else shape[0]
+        generator = torch.Generator().manual_seed(name_seed(seed, name))
+        full = torch.zeros(shape)
+        full[:rows].normal_(0.0, output_std if name.endswith(OUTPUT_PROJECTIONS) else std, generator=generator)
+        param.copy_(shard(full, param))
+
+
+def pretraining_loss(output, labels, loss_mask, is_random, sparse=False, cross_entropy=lm_cross_entropy):
     """-> (loss, lm_loss, sop_loss or None), all fp32 scalars whatever dtype the model ran in.
 
     lm_loss  = sum_i ce_i * loss_mask_i / max(sum_i loss_mask_i, 1)   (0, not NaN, when nothing is masked)
     sop_loss = mean_b CE(binary_logits_b, is_random_b)
     labels [b, s] (-1 where not selected), loss_mask [b, s], is_random [b]. With sparse=True the model was
-    called with lm_mask = (loss_mask != 0), so lm_logits holds those positions' rows in row-major order."""
-    logits = output.lm_logits.float()  # fp32 log-softmax: bf16/fp16 logits lose too much precision here
+    called with lm_mask = (loss_mask != 0), so lm_logits holds those positions' rows in row-major order.
+    cross_entropy(logits [n, vocab], labels [n]) -> [n]: the model's lm_cross_entropy."""
+    logits = output.lm_logits
     loss_mask = loss_mask.float()
     if sparse:
         selected = loss_mask != 0  # [b, s]
@@ -233,8 +347,7 @@ def pretraining_loss(output, labels, loss_mask, is_random, sparse=False):
         if logits.shape[0] != labels.shape[0]:
             raise ValueError(f"sparse loss: {logits.shape[0]} LM rows for {labels.shape[0]} masked positions;"
                              " call the model with lm_mask=(loss_mask != 0)")
-    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),  # [b*s, vocab] -> [b*s]
-                         ignore_index=-1, reduction="none")
+    ce = cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))  # [b*s, vocab] -> [b*s]
     lm_loss = (ce * loss_mask.reshape(-1)).sum() / loss_mask.sum().clamp(min=1.0)
     if output.binary_logits is None:
         return lm_loss, lm_loss, None

@@ -7,25 +7,40 @@ its size (bf16 keeps 8 bits of mantissa: 1 + 2^-9 rounds back to 1).
 
     model params (bf16/fp16) --forward/backward--> param.grad (16-bit)
          ^                                              | hook after each micro-batch: main_grad += grad
-         |                                              v                 (fp32, sums the micro-batches)
-    copy back <-- AdamW <-- clip <-- grad norm <-- fp16 only: unscale, look for inf/NaN (skip the step)
+         |                                              v     (fp32 buckets, minibert.parallel.data_parallel)
+    copy back <-- AdamW <-- clip <-- grad norm <-- all-reduce over DP (fp16: unscale first)
                      (fp32 master params, fp32 main grads, fp32 Adam moments)
 
-With fp32 the master params are the model's own parameters and nothing is copied.
+The optimizer works on *pieces*: the part of each parameter that lies in this rank's shard of a bucket.
+Without ZeRO-1 the shard is the whole bucket, so every parameter is one whole piece and every DP rank
+updates everything; with --use-distributed-optimizer rank r updates only shard r and the parameters are
+all-gathered afterwards. With fp32 the master pieces are views of the parameters themselves (nothing is
+copied); with 16-bit parameters they are views of one fp32 copy of the shard.
 
 fp16 has a small range (max 65504, smallest normal 6e-5), so small gradients underflow to 0. The loss is
 multiplied by a large scale S before backward (every gradient is then S times larger) and the gradients
 are divided by S before the update. If S is too large, a gradient overflows to inf: the step is skipped
 and S shrinks; after many clean steps S grows again (DynamicLossScaler). bf16 has fp32's range: no scaling.
 
-What production does: Megatron's distributed optimizer shards the master weights and Adam moments over
-data-parallel ranks (ZeRO-1) and keeps the grads in one flat buffer per bucket for the all-reduce. The
-arithmetic is the same; minibert keeps a tensor per parameter so each step can be read."""
+Non-finite numbers: a step whose grad norm (or, under fp16, whose loss) is not finite never reaches the
+weights. Under fp16 an infinite gradient with a finite loss is an *overflow*: the step is skipped and
+the loss scale lowered (that is how the scale is found). Anything else is a *nan* step, which the
+trainer stops on (--check-for-nan-in-loss-and-grad, the default) or skips and counts.
+
+Checkpoints store the optimizer by parameter name (each piece with its range in the flattened
+parameter), so a checkpoint written at one data-parallel size, with or without ZeRO-1, loads at any other.
+
+What production does: Megatron's distributed optimizer is the same idea with more machinery (parameter
+all-gathers overlapped with the next forward, precision-aware moments)."""
 import math
+from collections import namedtuple
 
 import torch
+import torch.distributed as dist
 
 from minibert.errors import UsageError
+from minibert.parallel.data_parallel import DataParallelGrads, finalize_gradients
+from minibert.parallel.state import ParallelState
 
 
 class DynamicLossScaler:
@@ -79,54 +94,69 @@ def no_weight_decay(name: str, param: torch.Tensor) -> bool:
     return name.endswith(".bias") or param.ndim == 1
 
 
-def global_grad_norm(grads) -> torch.Tensor:
-    """||g|| = sqrt(sum_i ||g_i||^2) over all parameters, in fp32, on the device (no host sync)."""
-    if not grads:
-        return torch.zeros(())
-    per_tensor = torch._foreach_norm(grads)        # [||g_1||, ||g_2||, ...], 0-d tensors
-    return torch.linalg.vector_norm(torch.stack(per_tensor))
+class Piece:
+    """The part [start, end) of a flattened parameter that this rank's optimizer updates: `master` is its
+    fp32 value (master.grad its fp32 gradient), both views into the bucket's flat buffers."""
+
+    def __init__(self, name, param, start, end, master, in_norm):
+        self.name, self.param, self.start, self.end = name, param, start, end
+        self.master, self.in_norm = master, in_norm
+
+
+StepOutcome = namedtuple("StepOutcome", ["update_successful", "grad_norm", "status"])  # "ok" / "overflow" / "nan"
 
 
 class MixedPrecisionOptimizer:
-    """AdamW (decoupled weight decay, as Megatron's 'adam') with fp32 master weights.
+    """AdamW (decoupled weight decay, as Megatron's 'adam') on fp32 masters, over DP gradient buckets.
 
     Use per iteration: zero_grad(); for each micro-batch: scale_loss(loss / n).backward(); step().
-    step() returns (update_successful, grad_norm): grad_norm is a 0-d device tensor, taken before
-    clipping, or None when an fp16 overflow skipped the step."""
+    step() finishes the gradient reduction, then returns StepOutcome(update_successful, grad_norm,
+    status): grad_norm a 0-d tensor taken before clipping (None when the step was skipped)."""
 
-    def __init__(self, model: torch.nn.Module, *, lr=0.0, weight_decay=0.01, betas=(0.9, 0.999),
-                 eps=1e-8, clip_grad=1.0, loss_scaler: DynamicLossScaler = None):
-        self.clip_grad = clip_grad
-        self.loss_scaler = loss_scaler
-        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        # Two groups: decayed matrices, and biases + LayerNorm weights with no decay. The masters
-        # are listed in the same order, so model_params[i] <-> master_params[i].
-        decay = [p for n, p in named if not no_weight_decay(n, p)]
-        no_decay = [p for n, p in named if no_weight_decay(n, p)]
-        self.model_params = decay + no_decay
-        self.low_precision = any(p.dtype != torch.float32 for p in self.model_params)
-        if self.low_precision:
-            self.master_params = [p.detach().clone().float() for p in self.model_params]
-            for master in self.master_params:
-                master.grad = torch.zeros_like(master)  # Megatron's "main_grad": fp32 accumulator
-            self._hooks = [p.register_post_accumulate_grad_hook(self._make_main_grad_hook(m))
-                           for p, m in zip(self.model_params, self.master_params)]
-        else:
-            self.master_params = self.model_params      # fp32: the masters are the params
-        groups = [{"params": self.master_params[:len(decay)], "weight_decay": weight_decay},
-                  {"params": self.master_params[len(decay):], "weight_decay": 0.0}]
-        groups = [g for g in groups if g["params"]]
+    def __init__(self, grads: list, state: ParallelState, *, lr=0.0, weight_decay=0.01, betas=(0.9, 0.999),
+                 eps=1e-8, clip_grad=1.0, loss_scaler: DynamicLossScaler = None, shared_embedding=None):
+        self.grads, self.state = grads, state
+        self.clip_grad, self.loss_scaler = clip_grad, loss_scaler
+        self.shared_embedding = shared_embedding  # the last stage's copy of the tied word table (pipelining)
+        self.distributed = grads[0].distributed_optimizer
+        self.pieces, self._master_shards = [], []  # (bucket, fp32 shard) for the copy back
+        for bucket in (b for g in grads for b in g.buckets):
+            lo, hi = bucket.shard
+            low_precision = bucket.param_data.dtype != torch.float32
+            shard = bucket.param_data[lo:hi].float() if low_precision else bucket.param_data[lo:hi]
+            self._master_shards.append((bucket, shard, low_precision))
+            grad_shard = bucket.grad_data[lo:hi]
+            for name, param, (a, b) in zip(bucket.names, bucket.params, bucket.ranges):
+                x, y = max(a, lo), min(b, hi)  # the part of this parameter inside the shard
+                if x >= y:
+                    continue
+                master = shard[x - lo:y - lo]
+                master.grad = grad_shard[x - lo:y - lo]
+                self.pieces.append(Piece(name, param, x - a, y - a, master, self._in_norm(name, param)))
+        order = {id(p): i for i, p in enumerate(p for g in grads for p in g.params)}
+        self.pieces.sort(key=lambda pc: order[id(pc.param)])  # the model's order (buckets run backwards)
+        self.low_precision = any(lp for _, _, lp in self._master_shards)
+        decay = [pc.master for pc in self.pieces if not no_weight_decay(pc.name, pc.param)]
+        no_decay = [pc.master for pc in self.pieces if no_weight_decay(pc.name, pc.param)]
+        groups = [g for g in ({"params": decay, "weight_decay": weight_decay},
+                              {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
         # fused=True is one kernel for all of AdamW's elementwise work (CUDA only); CPU uses foreach.
-        on_cuda = all(p.is_cuda for p in self.master_params)
-        self.adam = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps,
-                                      **({"fused": True} if on_cuda else {}))
+        self.fused = all(pc.master.is_cuda for pc in self.pieces)
+        self.adam = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, **({"fused": True} if self.fused else {}))
 
-    @staticmethod
-    def _make_main_grad_hook(master):
-        def hook(param):
-            master.grad.add_(param.grad)   # fp32 += 16-bit, once per micro-batch
-            param.grad = None              # the 16-bit grad is no longer needed
-        return hook
+    def _in_norm(self, name, param) -> bool:
+        """Count each parameter once in the global grad norm: a tensor-parallel *replicated* one (a
+        LayerNorm, a row-parallel bias) only on tensor-parallel rank 0, the tied table's pipeline copy never."""
+        if param is self.shared_embedding:
+            return False
+        return hasattr(param, "partition_dim") or self.state.tp_rank == 0
+
+    @property
+    def master_params(self):
+        """The fp32 masters, one per piece in the model's parameter order (a whole piece has its
+        parameter's shape)."""
+        return [pc.master.view_as(pc.param) if pc.end - pc.start == pc.param.numel() else pc.master
+                for pc in self.pieces]
 
     @property
     def param_groups(self):
@@ -140,56 +170,132 @@ class MixedPrecisionOptimizer:
         return loss * self.loss_scaler.scale if self.loss_scaler is not None else loss
 
     def zero_grad(self):
-        if self.low_precision:
-            torch._foreach_zero_([m.grad for m in self.master_params])
-        else:
-            for p in self.model_params:
-                p.grad = None
+        for g in self.grads:
+            g.zero()
 
-    def master_grads(self):
-        return [m.grad for m in self.master_params if m.grad is not None]
+    def state_bytes(self) -> int:
+        """Bytes this rank holds for the optimizer: fp32 masters (16-bit runs) and the two Adam moments."""
+        elements = sum(pc.master.numel() for pc in self.pieces)
+        return elements * 4 * (3 if self.low_precision else 2)
 
-    def step(self):
-        grads = self.master_grads()
+    def step(self, nonfinite_loss=None) -> StepOutcome:
+        """nonfinite_loss: 0-d device tensor, > 0 when a micro-batch's loss on this rank was inf/NaN."""
+        finalize_gradients(self.grads, self.state, self.shared_embedding)
+        grads = [pc.master.grad for pc in self.pieces]
         if self.loss_scaler is not None:
-            # Unscale in place and look for inf/NaN in one pass. .item() is a host sync: the decision
-            # to skip must reach the host (Megatron syncs here too). bf16/fp32 never sync in step().
-            found_inf = torch.zeros(1, device=grads[0].device)
-            inv_scale = torch.full((1,), 1.0 / self.loss_scaler.scale, device=grads[0].device)
-            torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
-            overflow = bool(found_inf.item())
-            self.loss_scaler.update(overflow)
-            if overflow:
-                return False, None
-        grad_norm = global_grad_norm(grads)
+            torch._foreach_mul_(grads, 1.0 / self.loss_scaler.scale)  # unscale in place
+        status = self._global_status(nonfinite_loss)
+        grad_norm = status[0].sqrt()
+        sumsq, bad_losses = status.tolist()  # one host sync per step: the decision to skip must reach the host
+        if bad_losses > 0:
+            return StepOutcome(False, grad_norm, "nan")
+        if not math.isfinite(sumsq):
+            if self.loss_scaler is None:
+                return StepOutcome(False, grad_norm, "nan")
+            self.loss_scaler.update(True)  # fp16 overflow: skip, lower the scale
+            return StepOutcome(False, None, "overflow")
+        if self.loss_scaler is not None:
+            self.loss_scaler.update(False)
         if self.clip_grad > 0:
-            # g <- g * min(1, clip / (||g|| + 1e-6)), computed on the device: no sync for the "if".
-            clip_coef = torch.clamp(self.clip_grad / (grad_norm + 1e-6), max=1.0)
-            torch._foreach_mul_(grads, clip_coef)
+            # g <- g * min(1, clip / (||g|| + 1e-6)), computed on the device
+            torch._foreach_mul_(grads, torch.clamp(self.clip_grad / (grad_norm + 1e-6), max=1.0))
         self.adam.step()
-        if self.low_precision:
-            with torch.no_grad():
-                torch._foreach_copy_(self.model_params, self.master_params)  # fp32 -> 16-bit
-        return True, grad_norm
+        with torch.no_grad():
+            for bucket, shard, low_precision in self._master_shards:
+                if low_precision:
+                    bucket.param_data[bucket.shard[0]:bucket.shard[1]].copy_(shard)  # fp32 -> 16-bit
+        for g in self.grads:
+            g.gather_params()  # ZeRO-1: the updated shards to every rank
+        return StepOutcome(True, grad_norm, "ok")
 
+    def _global_status(self, nonfinite_loss):
+        """[||g||^2 over the whole model, count of bad losses], the same on every rank: one all-reduce
+        over every rank. Without ZeRO-1 each DP replica holds the whole (already averaged) gradient, so
+        each contributes 1/DP of its sum of squares; TP/PP ranks contribute their own parameters."""
+        device = self.pieces[0].master.device
+        counted = [pc.master.grad for pc in self.pieces if pc.in_norm]
+        sumsq = (torch.stack(torch._foreach_norm(counted)).square().sum() if counted
+                 else torch.zeros((), device=device))
+        replicas = 1 if self.distributed else self.state.dp
+        bad = nonfinite_loss.to(device=device, dtype=torch.float32) if nonfinite_loss is not None \
+            else torch.zeros((), device=device)
+        status = torch.stack([sumsq.float() / replicas, bad])
+        if self.state.world_size > 1:
+            dist.all_reduce(status)
+        return status
+
+    def reload_masters(self):
+        """After new weights were loaded into the model (--finetune, --no-load-optim): the fp32 masters
+        of a 16-bit run start from them (fp32 runs' masters are the parameters already)."""
+        with torch.no_grad():
+            for bucket, shard, low_precision in self._master_shards:
+                if low_precision:
+                    shard.copy_(bucket.param_data[bucket.shard[0]:bucket.shard[1]])
+
+    # ---- checkpoints: by parameter name, any layout ----
     def state_dict(self):
-        """Adam moments + master weights + the loss scaler: plain tensors, numbers, dicts, lists."""
-        return {"adam": self.adam.state_dict(),
-                "master_params": [m.detach() for m in self.master_params] if self.low_precision else None,
+        """{"step", "params": {name: {"range", "exp_avg", "exp_avg_sq"[, "master"]}}, "grad_scaler"}:
+        this rank's pieces. Masters are stored for 16-bit runs only (fp32: they are the parameters)."""
+        params = {}
+        for pc in self.pieces:
+            entry = {"range": [pc.start, pc.end]}
+            adam_state = self.adam.state.get(pc.master, {})
+            for key in ("exp_avg", "exp_avg_sq"):
+                if key in adam_state:
+                    entry[key] = adam_state[key].detach().cpu().clone()
+            if self.low_precision:
+                entry["master"] = pc.master.detach().cpu().clone()
+            params[pc.name] = entry
+        steps = [float(s["step"]) for s in self.adam.state.values() if "step" in s]
+        return {"step": steps[0] if steps else 0.0, "params": params,
                 "grad_scaler": self.loss_scaler.state_dict() if self.loss_scaler is not None else None}
 
-    def load_state_dict(self, state):
-        self.adam.load_state_dict(state["adam"])
-        # The fp32 masters are the truth: a 16-bit checkpoint resumed in fp32 takes them as the
-        # params; a fp32 checkpoint resumed in 16-bit starts its masters from the loaded params.
-        masters = state["master_params"] or [p.detach() for p in self.model_params]
+    def load_state_dict(self, states):
+        """`states`: one state_dict or a list of them (ZeRO-1: every DP rank's shard, in any number). Each
+        of this rank's pieces is cut out of the saved ranges of its parameter; a missing name raises
+        KeyError. The fp32 masters of a 16-bit run come from the saved masters, or else the parameters."""
+        states = states if isinstance(states, list) else [states]
+        step = states[0]["step"]
+        for pc in self.pieces:
+            saved = [s["params"][pc.name] for s in states if pc.name in s["params"]]
+            if not saved:
+                raise KeyError(f"the checkpoint's optimizer has no state for {pc.name}")
+            entry = {key: _cut(saved, key, pc.start, pc.end) for key in ("exp_avg", "exp_avg_sq", "master")
+                     if all(key in e for e in saved)}
+            with torch.no_grad():
+                if "master" in entry:
+                    pc.master.copy_(entry["master"])
+                else:
+                    pc.master.copy_(pc.param.detach().reshape(-1)[pc.start:pc.end])
+            if "exp_avg" in entry and step > 0:
+                device = pc.master.device if self.fused else "cpu"
+                self.adam.state[pc.master] = {
+                    "step": torch.tensor(step, dtype=torch.float32, device=device),
+                    "exp_avg": entry["exp_avg"].to(pc.master.device),
+                    "exp_avg_sq": entry["exp_avg_sq"].to(pc.master.device)}
         with torch.no_grad():
-            for mine, saved in zip(self.master_params, masters, strict=True):
-                mine.copy_(saved)
-            if self.low_precision:
-                torch._foreach_copy_(self.model_params, self.master_params)
-        if self.loss_scaler is not None and state.get("grad_scaler") is not None:
-            self.loss_scaler.load_state_dict(state["grad_scaler"])
+            for bucket, shard, low_precision in self._master_shards:
+                if low_precision:
+                    bucket.param_data[bucket.shard[0]:bucket.shard[1]].copy_(shard)
+        for g in self.grads:
+            g.gather_params()
+        if self.loss_scaler is not None and states[0].get("grad_scaler") is not None:
+            self.loss_scaler.load_state_dict(states[0]["grad_scaler"])
+
+
+def _cut(saved_entries, key, start, end):
+    """Elements [start, end) of a flattened parameter, from saved pieces that each cover a range of it."""
+    parts = []
+    for entry in sorted(saved_entries, key=lambda e: e["range"][0]):
+        a, b = entry["range"]
+        x, y = max(a, start), min(b, end)
+        if x < y:
+            parts.append(entry[key].reshape(-1)[x - a:y - a])
+    cut = torch.cat(parts) if parts else torch.empty(0)
+    if cut.numel() != end - start:
+        raise KeyError(f"the checkpoint's optimizer covers {cut.numel()} of elements [{start}, {end}) of a "
+                       f"parameter ({key}): a shard file is missing")
+    return cut
 
 
 class OptimizerParamScheduler:
@@ -259,16 +365,6 @@ class OptimizerParamScheduler:
         return differ
 
 
-def build_optimizer(model: torch.nn.Module, cfg) -> MixedPrecisionOptimizer:
-    scaler = None
-    if cfg.fp16:
-        scaler = DynamicLossScaler(cfg.initial_loss_scale, cfg.min_loss_scale,
-                                   cfg.loss_scale_window, cfg.hysteresis)
-    return MixedPrecisionOptimizer(model, weight_decay=cfg.weight_decay,
-                                   betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
-                                   clip_grad=cfg.clip_grad, loss_scaler=scaler)
-
-
 def build_scheduler(optimizer, cfg) -> OptimizerParamScheduler:
     """Megatron's iteration flags turned into sample counts (x global batch size)."""
     decay_steps = cfg.lr_decay_iters * cfg.global_batch_size
@@ -279,3 +375,21 @@ def build_scheduler(optimizer, cfg) -> OptimizerParamScheduler:
     return OptimizerParamScheduler(optimizer, max_lr=cfg.lr, min_lr=cfg.min_lr,
                                    warmup_steps=warmup_steps, decay_steps=decay_steps,
                                    decay_style=cfg.lr_decay_style)
+
+
+def build_optimizer(model_chunks, cfg, state: ParallelState = None, shared_embedding=None) -> MixedPrecisionOptimizer:
+    """The gradient buckets of every model chunk (minibert.parallel.data_parallel) and AdamW over them.
+    `model_chunks`: a model or a list of them (the interleaved pipeline's chunks); state None: one process."""
+    state = state or ParallelState()
+    chunks = model_chunks if isinstance(model_chunks, (list, tuple)) else [model_chunks]
+    separate = ("embedding.word_embeddings.weight",) if state.pp > 1 else ()  # ZeRO shards align across stages
+    grads = [DataParallelGrads(chunk, state, bucket_size=cfg.ddp_bucket_size,
+                               distributed_optimizer=cfg.use_distributed_optimizer,
+                               overlap=cfg.overlap_grad_reduce, separate=separate) for chunk in chunks]
+    scaler = None
+    if cfg.fp16:
+        scaler = DynamicLossScaler(cfg.initial_loss_scale, cfg.min_loss_scale,
+                                   cfg.loss_scale_window, cfg.hysteresis)
+    return MixedPrecisionOptimizer(grads, state, weight_decay=cfg.weight_decay,
+                                   betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
+                                   clip_grad=cfg.clip_grad, loss_scaler=scaler, shared_embedding=shared_embedding)

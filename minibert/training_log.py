@@ -22,24 +22,42 @@ Model FLOPs per step (PERF.md), forward + backward (x3) at 2 FLOPs per multiply-
 with L_i the real (non-padding) tokens of sample i, f the FFN width (4h: 72 l h^2 per token), V the
 padded vocab (the decoder matmul runs over it) and N_head the positions sent through the LM head: every
 real token, or only the masked ones with --sparse-mlm. MFU = FLOP/s per GPU / 790e12 (bf16 dense matmul
-measured on this H200; the datasheet's 989e12 would give 0.8x the figure)."""
+measured on an H200; the datasheet's 989e12 would give 0.8x the figure).
+
+With several GPUs every figure is per GPU: the model FLOPs of the whole global batch (summed over the
+data-parallel replicas) divided by the world size; recomputed activations are not model FLOPs. The losses
+are means over the data-parallel replicas (each replica saw different samples), and one rank, the last
+(it is on the last pipeline stage, which has the losses), prints the lines and writes TensorBoard."""
 import math
 import time
 
 import torch
+import torch.distributed as dist
 
-PEAK_FLOPS = 790e12  # bf16 matmul measured on one H200 here (PERF.md)
+PEAK_FLOPS = 790e12  # bf16 matmul measured on one H200
 
 
-def batch_flops(cpu_batch, cfg):
-    """-> (model FLOPs, real tokens) of one micro-batch, counted on the host from its masks."""
+def model_flops(cfg, lengths, head_positions) -> float:
+    """The formula above for samples of `lengths` real tokens (a float64 tensor) and `head_positions`
+    positions through the LM head."""
     l, h, f, vocab = cfg.num_layers, cfg.hidden_size, cfg.ffn_size, cfg.padded_vocab_size
-    lengths = cpu_batch["padding_mask"].sum(dim=1).to(torch.float64)  # [b] real tokens per sample
-    tokens = float(lengths.sum())
-    head_positions = float(cpu_batch["loss_mask"].sum()) if cfg.sparse_mlm else tokens
-    flops = (6 * l * (4 * h * h + 2 * h * f) * tokens + 12 * l * h * float((lengths ** 2).sum())
-             + 6 * (h * vocab + h * h) * head_positions)
-    return flops, int(tokens)
+    return (6 * l * (4 * h * h + 2 * h * f) * float(lengths.sum()) + 12 * l * h * float((lengths ** 2).sum())
+            + 6 * (h * vocab + h * h) * head_positions)
+
+
+def reduce_over_data_parallel(values: dict, state, average=()) -> dict:
+    """{name: number or 0-d tensor} summed over this rank's data-parallel group (one all-reduce); the names
+    in `average` are divided by DP. Called by every rank of the group, with the same names."""
+    names = sorted(values)
+    if not names:
+        return {}
+    device = state.device if state.device.type == "cuda" else torch.device("cpu")
+    packed = torch.stack([torch.as_tensor(values[n], dtype=torch.float64, device=device).reshape(())
+                          for n in names])
+    if state.group("data") is not None:
+        dist.all_reduce(packed, group=state.group("data"))
+    summed = dict(zip(names, packed.tolist()))
+    return {n: v / state.dp if n in average else v for n, v in summed.items()}
 
 
 class IntervalStats:
@@ -59,9 +77,7 @@ class IntervalStats:
     def add(self, step):
         if step.skipped:
             self.skipped += 1
-            # A skipped step with a non-finite loss is a "nan iteration" (Megatron). fp16 only: it
-            # already synchronised to find the overflow, so .item() here costs nothing extra.
-            self.nan += int(any(not math.isfinite(float(v)) for v in step.losses.values()))
+            self.nan += int(step.status == "nan")  # a non-finite loss or grad norm (Megatron's count)
         else:
             self.advanced += 1
             for name, value in step.losses.items():
@@ -96,16 +112,25 @@ class IntervalStats:
 class TrainingLogger:
     """Prints the lines, writes TensorBoard scalars, keeps every record, calls on_log(record)."""
 
-    def __init__(self, cfg, device, on_log=None):
+    def __init__(self, cfg, device, on_log=None, state=None):
+        from minibert.parallel.state import ParallelState
         self.cfg, self.device, self.on_log = cfg, device, on_log
+        self.state = state or ParallelState(device=device)
+        self.printing = self.state.is_logging_rank
         self.history = []
         self.memory_reported = False
         self.writer = None
-        if cfg.tensorboard_dir:
+        if cfg.tensorboard_dir and self.printing:
             from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
             self.writer = SummaryWriter(log_dir=cfg.tensorboard_dir, max_queue=1000)
 
+    def print(self, line):
+        if self.printing:
+            print(line, flush=True)
+
     def _emit(self, record, line, scalars):
+        if not self.printing:
+            return
         print(line, flush=True)
         if self.writer is not None:
             for tag, value in scalars.items():
@@ -115,16 +140,23 @@ class TrainingLogger:
             self.on_log(record)
 
     def log_train(self, iteration, consumed_samples, optimizer, stats):
-        cfg = self.cfg
+        """Every rank calls this at the same iterations (the last stage's ranks reduce over DP)."""
+        cfg, state = self.cfg, self.state
         iterations = stats.advanced + stats.skipped
         seconds = stats.elapsed() / max(iterations, 1)
-        tflops = stats.flops / iterations / seconds / 1e12 if iterations else 0.0  # one GPU today
+        if not state.is_last_stage:
+            stats.reset()
+            return
+        totals = reduce_over_data_parallel({**stats.loss_sums, "flops": stats.flops, "tokens": stats.tokens},
+                                           state, average=stats.loss_sums.keys())
+        flops, tokens = totals.pop("flops"), totals.pop("tokens")
+        tflops = flops / iterations / seconds / 1e12 / state.world_size if iterations else 0.0  # per GPU
         # means over the interval's non-skipped iterations; when every step was skipped (fp16 finding its
         # loss scale) there is no mean, and the loss fields are left out of the line, as Megatron does
-        losses = {name: float(total) / stats.advanced for name, total in stats.loss_sums.items()}
+        losses = {name: total / stats.advanced for name, total in totals.items()}
         record = {"kind": "train", "iteration": iteration, "train_iters": cfg.train_iters,
                   "consumed_samples": consumed_samples, "elapsed_ms": seconds * 1000.0,
-                  "tflops_per_gpu": tflops, "tokens_per_second": stats.tokens / max(seconds * iterations, 1e-9),
+                  "tflops_per_gpu": tflops, "tokens_per_second": tokens / max(seconds * iterations, 1e-9),
                   "mfu": tflops * 1e12 / PEAK_FLOPS, "learning_rate": optimizer.param_groups[0]["lr"],
                   "global_batch_size": cfg.global_batch_size, "loss_scale": optimizer.loss_scale,
                   "grad_norm": float(stats.grad_norm) if stats.grad_norm is not None else float("nan"),
@@ -151,7 +183,7 @@ class TrainingLogger:
         if stats.grad_norm is not None:
             scalars["grad-norm"] = record["grad_norm"]
         self._emit(record, " | ".join(parts) + " |", scalars)
-        if self.device.type == "cuda" and not self.memory_reported:
+        if self.device.type == "cuda" and not self.memory_reported and self.printing:
             self.report_memory(iteration)
             self.memory_reported = True
         stats.reset()
@@ -159,7 +191,7 @@ class TrainingLogger:
     def report_memory(self, iteration):
         """Megatron's memory line after the first log interval: what the GPU holds once training runs."""
         mb = 1024 * 1024
-        print(f"[Rank 0] (after {iteration} iterations) memory (MB) | "
+        print(f"[Rank {self.state.rank}] (after {iteration} iterations) memory (MB) | "
               f"allocated: {torch.cuda.memory_allocated(self.device) / mb:.1f} | "
               f"max allocated: {torch.cuda.max_memory_allocated(self.device) / mb:.1f} | "
               f"reserved: {torch.cuda.memory_reserved(self.device) / mb:.1f} | "

@@ -50,7 +50,7 @@ def test_full_state_loads_with_weights_only_and_restores(tmp_path):
     assert {"iteration", "checkpoint_version", "model", "optimizer", "opt_param_scheduler", "rng_state",
             "consumed_train_samples", "consumed_valid_samples", "args"} <= set(raw)
     assert raw["args"]["hidden_size"] == 16 and raw["args"]["fp16"] is True
-    assert raw["optimizer"]["master_params"][0].dtype == torch.float32
+    assert raw["optimizer"]["params"]["embedding.word_embeddings.weight"]["master"].dtype == torch.float32
 
     loaded = checkpoint.load_checkpoint(str(tmp_path))
     cfg2, model2, optimizer2, scheduler2 = tiny_setup()

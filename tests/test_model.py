@@ -21,8 +21,7 @@ def tiny_config(**overrides):
 
 
 def tiny_model(seed=0, **overrides):
-    torch.manual_seed(seed)
-    return BertModel(tiny_config(**overrides))
+    return BertModel(tiny_config(seed=seed, **overrides))  # the init is drawn from --seed, per name
 
 
 def make_batch(b=3, s=16, lengths=(16, 9, 5), seed=0):
@@ -123,6 +122,9 @@ def test_megatron_init_statistics():
     model = BertModel(config)
     std, output_std = 0.02, 0.02 / math.sqrt(2 * 4)
     for name, p in model.named_parameters():
+        if name == "embedding.word_embeddings.weight":  # the real vocab's rows; the padding rows are 0
+            p, padding = p[:VOCAB], p[VOCAB:]
+            assert torch.all(padding == 0)
         tolerance = 5 / math.sqrt(2 * p.numel())  # 5 sigma of a sample std's relative error
         if name.endswith(("self_attention.dense.weight", "mlp.dense_4h_to_h.weight")):
             assert abs(p.std().item() / output_std - 1) < tolerance, name
@@ -191,6 +193,32 @@ def test_binary_head_off():
     out, (loss, lm, sop) = run(model, batch)
     assert out.binary_logits is None and sop is None
     assert torch.equal(loss, lm)
+
+
+def test_a_pipeline_stage_draws_the_weights_of_the_whole_model():
+    """Per-name seeded init: a stage holding only layer 1 (no embedding, the heads) has, under the same
+    names, exactly the full model's numbers, and its word-table copy equals the first stage's table."""
+    full = tiny_model(seed=3, num_layers=3)
+    first = BertModel(tiny_config(seed=3, num_layers=3), layer_numbers=[0], post_process=False)
+    last = BertModel(tiny_config(seed=3, num_layers=3), layer_numbers=[1, 2], pre_process=False)
+    whole = full.state_dict()
+    for stage in (first, last):
+        for name, value in stage.state_dict().items():
+            assert torch.equal(value, whole[name]), name
+    assert set(first.state_dict()) | set(last.state_dict()) == set(whole)
+    assert torch.equal(last.embedding.word_embeddings.weight, first.embedding.word_embeddings.weight)
+    assert "layers.1.mlp.dense_h_to_4h.weight" in last.state_dict() and last.layers[2] is last.layers[-1]
+
+
+def test_stages_chained_give_the_whole_models_output():
+    full = tiny_model(seed=3, num_layers=3)
+    first = BertModel(tiny_config(seed=3, num_layers=3), layer_numbers=[0, 1], post_process=False)
+    last = BertModel(tiny_config(seed=3, num_layers=3), layer_numbers=[2], pre_process=False)
+    batch = make_batch()
+    hidden = first(batch["tokens"], batch["types"], batch["padding_mask"])
+    out = last(None, padding_mask=batch["padding_mask"], hidden_states=hidden)
+    expected = full(batch["tokens"], batch["types"], batch["padding_mask"])
+    assert torch.equal(out.lm_logits, expected.lm_logits) and torch.equal(out.binary_logits, expected.binary_logits)
 
 
 def test_deterministic_for_a_seed():

@@ -17,7 +17,8 @@ from minibert.preprocess import preprocess
 from minibert.tokenizer import BertWordPieceTokenizer
 from minibert.train import (MicroBatchSampler, build_data_iterator, build_datasets, build_model_and_optimizer,
                             main, train, train_step)
-from minibert.training_log import IntervalStats, TrainingLogger, batch_flops
+from minibert.batches import batch_flops
+from minibert.training_log import IntervalStats, TrainingLogger
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN_PY = os.path.join(ROOT, "minibert", "train.py")
@@ -134,8 +135,8 @@ def test_exact_resume(data):
     assert a["iteration"] == b["iteration"] == 12
     for key, value in a["model"].items():
         assert torch.equal(value, b["model"][key]), key
-    for i, state in a["optimizer"]["adam"]["state"].items():
-        assert torch.equal(state["exp_avg_sq"], b["optimizer"]["adam"]["state"][i]["exp_avg_sq"])
+    for name, state in a["optimizer"]["params"].items():
+        assert torch.equal(state["exp_avg_sq"], b["optimizer"]["params"][name]["exp_avg_sq"]), name
     # saved at 12 after the evaluations at 4, 8 and 12 (the final one comes after the save)
     assert (a["consumed_train_samples"], a["consumed_valid_samples"]) == (12 * 8, 3 * 2 * 8)
 
@@ -151,7 +152,7 @@ def run_main(argv, capsys):
 def test_bad_inputs_exit_2_with_one_line(data, capsys, monkeypatch, case):
     args = tiny_args(data, "--train-iters", 3)
     expect = {"prefix": "_text_sentence", "vocab": "--vocab-file", "positions": "--max-position-embeddings",
-              "batch": "--global-batch-size", "warmup": "--lr-decay-iters", "world": "not supported yet",
+              "batch": "--global-batch-size", "warmup": "--lr-decay-iters", "world": "data-parallel size = 4 x 2",
               "checkpoint": "model_optim_rng.pt"}
     if case == "prefix":
         args[args.index("--data-path") + 1] = data["prefix"][:-len("_text_sentence")]
@@ -163,8 +164,9 @@ def test_bad_inputs_exit_2_with_one_line(data, capsys, monkeypatch, case):
         args[args.index("--global-batch-size") + 1] = "6"
     elif case == "warmup":
         args += ["--lr-warmup-iters", "3"]
-    elif case == "world":
+    elif case == "world":  # two processes (as torchrun would say): 8 samples per micro-batch round
         monkeypatch.setenv("WORLD_SIZE", "2")
+        args[args.index("--global-batch-size") + 1] = "4"
     elif case == "checkpoint":
         load = data["dir"] / "corrupt"
         path = checkpoint.checkpoint_path(str(load), 3)
@@ -186,11 +188,15 @@ def test_unknown_flag_exits_2_from_the_command_line(data):
 def test_fp16_on_cpu_warns_once_and_runs_fp32(data):
     args = tiny_args(data, "--train-iters", 3, "--log-interval", 1, "--eval-iters", 0, "--fp16",
                      "--save", data["dir"] / "fp16")
-    args.remove("--distributed-backend"), args.remove("gloo")  # the default nccl: its own warning
-    result = run_cli(args)
+    args.remove("--distributed-backend"), args.remove("gloo"), args.remove("--num-workers"), args.remove("0")
+    result = run_cli(args)  # defaults the user did not pass (backend, workers) are not warned about
     assert result.returncode == 0, result.stderr
     warnings = [line for line in result.stderr.splitlines() if line.startswith("warning:")]
-    assert len([w for w in warnings if "--fp16" in w]) == 1 and len([w for w in warnings if "nccl" in w]) == 1
+    assert len(warnings) == 1 and "--fp16" in warnings[0], warnings
+    asked = run_cli(args + ["--distributed-backend", "nccl", "--num-workers", "2", "--save", data["dir"] / "fp16b"])
+    assert asked.returncode == 0, asked.stderr
+    warnings = [line for line in asked.stderr.splitlines() if line.startswith("warning:")]
+    assert len([w for w in warnings if "nccl" in w]) == 1 and len([w for w in warnings if "--num-workers 2" in w]) == 1
     assert all(m and m[8] == "1.0" for m in train_lines(result.stdout))
     saved = checkpoint.load_checkpoint(str(data["dir"] / "fp16"))
     assert saved["args"]["fp16"] is False
@@ -228,12 +234,12 @@ def test_batch_flops_is_perf_md_formula():
     cfg = Config(num_layers=3, hidden_size=64, num_attention_heads=4, seq_length=16, vocab_size=1000)
     l, h, s, V = 3, 64, 16, cfg.padded_vocab_size
     full = {"padding_mask": torch.ones(2, s, dtype=torch.long), "loss_mask": torch.zeros(2, s, dtype=torch.long)}
-    flops, tokens = batch_flops(full, cfg)
+    flops, tokens = batch_flops(full, cfg, full["padding_mask"] == 0)
     per_token = 72 * l * h * h + 12 * l * s * h + 6 * (h * V + h * h)  # PERF.md, no padding, r = 1
     assert tokens == 2 * s and flops == pytest.approx(2 * s * per_token, rel=1e-12)
     padded = {"padding_mask": full["padding_mask"].clone(), "loss_mask": full["loss_mask"]}
     padded["padding_mask"][1, 10:] = 0  # sample 1 has 10 real tokens
-    flops, tokens = batch_flops(padded, cfg)
+    flops, tokens = batch_flops(padded, cfg, padded["padding_mask"] == 0)
     expected = (72 * l * h * h + 6 * (h * V + h * h)) * (s + 10) + 12 * l * h * (s * s + 10 * 10)
     assert tokens == s + 10 and flops == pytest.approx(expected, rel=1e-12)
 
@@ -245,7 +251,7 @@ def test_fp16_overflow_skips_the_update_and_the_lr_step(data, capsys):
     cfg = Config(num_layers=1, hidden_size=32, num_attention_heads=4, seq_length=32, micro_batch_size=4,
                  global_batch_size=8, train_iters=4, lr=1e-3, data_path=[data["prefix"]],
                  vocab_file=data["vocab"], split="90,5,5", num_workers=0, eval_iters=1, fp16=True)
-    validate(cfg)
+    validate(cfg, device_type="cuda")  # validated as for a GPU, so fp16 stays on
     device = torch.device("cpu")
     _, (train_ds, _, _) = build_datasets(cfg)
     model, optimizer, scheduler = build_model_and_optimizer(cfg, device)

@@ -1,0 +1,161 @@
+"""The trainer's data: datasets from the flags, Megatron's sampler, micro-batches on the device.
+
+    .bin/.idx --(masked_lm: Megatron's samples)--> dataset rows --(MicroBatchSampler)--> this rank's rows
+              --(DataLoader: workers make samples)--> CPU batch --(get_batch)--> device tensors
+
+Every process builds the same datasets (a sample is a pure function of its row: masked_lm.py), and the
+sampler hands data-parallel rank r its own rows of each global batch, so DP = N consumes exactly the rows
+DP = 1 does. The sample index is cached on disk: on each node the local rank 0 builds it while the other
+ranks wait at a barrier, then they read the cached file.
+
+What shapes the stream of samples (the data, seed, sequence length, split, masking, vocab, binary head)
+is stored in every checkpoint: a resume with other values would silently point consumed_samples into
+another index, so it stops instead (checkpoint.check_data_stream)."""
+import hashlib
+import os
+
+import numpy as np
+import torch
+
+from minibert.config import parse_data_path
+from minibert.errors import UsageError
+from minibert.masked_lm import build_train_valid_test_datasets, open_data_prefix, split_num_samples
+from minibert.tokenizer import DEFAULT_VOCAB_FILE, build_tokenizer
+
+BATCH_KEYS = ("text", "types", "labels", "padding_mask", "loss_mask", "is_random")
+
+
+def check_token_ids(prefix, tokenizer, vocab_file):
+    """Tokens must be ids of this vocab (a corpus made with another vocab fails here, once, clearly)."""
+    data = open_data_prefix(prefix)  # a missing prefix: the error suggests _text_sentence if it exists
+    tokens = np.memmap(data.bin_path, dtype=data.dtype, mode="r") if os.path.getsize(data.bin_path) else []
+    chunk = 1 << 26  # scan 64M tokens at a time: bounded memory on a large corpus
+    largest = max((int(tokens[i:i + chunk].max()) for i in range(0, len(tokens), chunk)), default=-1)
+    if largest >= tokenizer.vocab_size:
+        raise UsageError(f"{data.bin_path} holds token id {largest} but the vocab has {tokenizer.vocab_size} "
+                         f"tokens ({vocab_file or 'the bundled bert-base-uncased'}): pass the --vocab-file "
+                         "the data was preprocessed with")
+
+
+def cache_dir_for(cfg, state):
+    """--data-cache-path, or (several processes) a cache/ directory beside the first data prefix."""
+    if cfg.data_cache_path:
+        return cfg.data_cache_path
+    if state.world_size > 1:
+        return os.path.join(os.path.dirname(os.path.abspath(parse_data_path(cfg.data_path)[0][1])), "cache")
+    return None  # one process: building the index costs what reading it would
+
+
+def build_datasets(cfg, state=None, log=print):
+    """-> tokenizer, (train, valid, test) datasets (None for a split of weight 0). state None: one process."""
+    from minibert.parallel.state import ParallelState
+    state = state or ParallelState()
+    tokenizer = build_tokenizer(cfg.tokenizer_type, cfg.vocab_file)
+    log("building train/valid/test datasets ...")
+    prefixes = [p for _, p in parse_data_path(cfg.data_path)]
+    if len(prefixes) > 1:
+        raise UsageError("--data-path with a weighted blend of several datasets is not supported yet")
+    for prefix in prefixes:
+        check_token_ids(prefix, tokenizer, cfg.vocab_file)
+    num_samples = split_num_samples(cfg.train_iters, cfg.eval_interval, cfg.eval_iters, cfg.global_batch_size)
+    cache_dir = cache_dir_for(cfg, state)
+
+    def build():
+        return build_train_valid_test_datasets(
+            prefixes[0], tokenizer, split=cfg.split, num_samples=num_samples, seq_length=cfg.seq_length,
+            seed=cfg.seed, binary_head=cfg.binary_head, masked_lm_prob=cfg.mask_prob,
+            short_seq_prob=cfg.short_seq_prob, cache_dir=cache_dir)
+
+    if cache_dir is not None and state.local_rank == 0:
+        datasets = build()  # writes the cached indexes (atomically)
+        state.barrier()
+    elif cache_dir is not None:
+        state.barrier()  # wait for this node's local rank 0, then read its files
+        datasets = build()
+    else:
+        datasets = build()
+    for name, wanted, ds in zip(("train", "validation", "test"), num_samples, datasets):
+        log(f"    {name + ':':12s} {len(ds) if ds is not None else 0:10d} samples "
+            f"(asked for {wanted if ds is not None else 0})")
+    return tokenizer, datasets
+
+
+class MicroBatchSampler:
+    """Megatron's pretraining sampler: rows in order from `consumed` on (the shuffle is in the sample
+    index), in chunks of m x DP; data-parallel rank r takes rows [r*m, (r+1)*m) of each chunk.
+
+        chunk:  | rank 0: m rows | rank 1: m rows | ... | rank DP-1: m rows |   then the next chunk"""
+
+    def __init__(self, total_samples, consumed_samples, micro_batch_size, dp_rank=0, dp_size=1):
+        self.total, self.consumed = total_samples, consumed_samples
+        self.m, self.dp_rank, self.dp_size = micro_batch_size, dp_rank, dp_size
+
+    def __len__(self):
+        return max(0, (self.total - self.consumed) // (self.m * self.dp_size))
+
+    def __iter__(self):
+        chunk = self.m * self.dp_size
+        for start in range(self.consumed, self.total - chunk + 1, chunk):  # only whole chunks
+            first = start + self.dp_rank * self.m
+            yield list(range(first, first + self.m))
+
+
+def build_data_iterator(dataset, consumed_samples, cfg, device, state=None):
+    """An iterator of this rank's micro-batches (dicts of CPU tensors), or None without that split."""
+    if dataset is None:
+        return None
+    dp_rank, dp_size = (state.dp_rank, state.dp) if state is not None else (0, 1)
+    sampler = MicroBatchSampler(len(dataset), consumed_samples, cfg.micro_batch_size, dp_rank, dp_size)
+    loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=cfg.num_workers or 0,
+                                         pin_memory=device.type == "cuda")
+    return iter(loader)
+
+
+def batch_flops(cpu_batch, cfg, is_pad):
+    """-> (model FLOPs, real tokens) of one micro-batch, counted on the host (training_log's formula)."""
+    from minibert.training_log import model_flops
+    lengths = (~is_pad).sum(dim=1).to(torch.float64)  # [b] real tokens per sample
+    head_positions = float(cpu_batch["loss_mask"].sum()) if cfg.sparse_mlm else float(lengths.sum())
+    return model_flops(cfg, lengths, head_positions), int(lengths.sum())
+
+
+def get_batch(data_iterator, device, cfg, pad_id=0):
+    """The next micro-batch as device tensors, plus `is_pad` (bool [b, s], True = padding: the positions
+    holding the vocab's [PAD] id, which is exactly where Megatron's padding_mask is not 1) and its
+    model FLOPs and real tokens (Python numbers)."""
+    try:
+        cpu_batch = next(data_iterator)
+    except StopIteration:
+        raise UsageError("a data split ran out of samples: keep --train-iters/--eval-iters/--eval-interval "
+                         "as in the run being resumed, or start without --load") from None
+    is_pad = cpu_batch["text"] == pad_id
+    batch = {k: cpu_batch[k].to(device, non_blocking=True) for k in BATCH_KEYS}
+    batch["is_pad"] = is_pad.to(device, non_blocking=True)
+    batch["flops"], batch["tokens"] = batch_flops(cpu_batch, cfg, is_pad)
+    return batch
+
+
+# ---- what shapes the sample stream (stored in checkpoints, compared on resume) ----
+STREAM_FLAGS = ("data_path", "seed", "seq_length", "split", "mask_prob", "short_seq_prob", "vocab_file",
+                "tokenizer_type", "bert_no_binary_head")
+NUM_SAMPLES_FLAGS = ("train_iters", "eval_interval", "eval_iters", "global_batch_size")
+
+
+def file_digest(path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def data_stream(cfg) -> dict:
+    """What the rows consumed_samples counts depend on: each flag's value, and for the data and the vocab
+    their content (a fingerprint: the .idx's digest and the .bin's size; the vocab file's digest), so a
+    moved file is fine and a rewritten one is not."""
+    values = {name: getattr(cfg, name) for name in STREAM_FLAGS}
+    values["data_path"] = [f"{w}:{file_digest(p + '.idx')}:{os.path.getsize(p + '.bin')}"
+                           for w, p in parse_data_path(cfg.data_path)]
+    values["vocab_file"] = file_digest(cfg.vocab_file or DEFAULT_VOCAB_FILE)
+    values["num_samples"] = {name: getattr(cfg, name) for name in NUM_SAMPLES_FLAGS}
+    return values

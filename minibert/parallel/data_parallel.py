@@ -1,0 +1,180 @@
+"""Data parallelism: DP replicas of the model, each on its own micro-batches, averaging their gradients.
+
+Why an average is enough: the loss of a global batch of G samples is the mean of its micro-batch losses,
+and a gradient is linear, so
+
+    grad( mean over the G samples )  =  mean over DP replicas of ( mean over that replica's micro-batches )
+
+Every replica starts from the same weights, takes the same averaged gradient and runs the same AdamW, so
+the replicas stay identical without ever exchanging weights.
+
+Gradient buffers. Each parameter's gradient lives in one flat fp32 buffer per *bucket* (a run of
+parameters, ~--ddp-bucket-size elements) as a view `param.main_grad`; a hook adds each micro-batch's
+(16-bit or fp32) `param.grad` into it and frees `param.grad`. Parameters are laid out in reverse order
+of registration, which is roughly the order the backward produces their gradients:
+
+    backward ->   | bucket 0: layers 23..20 | bucket 1: layers 19..16 | ... | bucket k: embedding |
+                  grads of the last layers are ready first, the embedding's last
+
+One all-reduce per bucket, not per parameter: a collective has a fixed cost (~tens of microseconds),
+so a few large messages beat hundreds of small ones.
+
+Overlap (--overlap-grad-reduce). Gradient accumulation means only the *last* micro-batch's backward
+completes the gradients; earlier micro-batches communicate nothing. During that last backward, as soon
+as every parameter of a bucket has its gradient, the bucket's all-reduce starts asynchronously, while the
+backward carries on with the earlier layers:
+
+    compute:  | backward layers 23..20 | backward 19..16 | backward 15..12 | ... | embedding |
+    network:                            | all-reduce b0  | all-reduce b1   | ... | b_k | wait -> optimizer
+
+Without overlap every bucket is reduced after the backward (the same numbers, later). finish() launches
+what has not started and waits for every handle before the optimizer reads the gradients.
+
+Averaging: each bucket is multiplied by 1/DP, then summed by the collective (Megatron's default; its
+--average-in-collective asks NCCL to average instead, the same result). Gloo has no average op.
+
+ZeRO-1 (--use-distributed-optimizer). Every bucket is padded to a multiple of DP and cut in DP equal
+shards; rank r owns shard r. The all-reduce becomes a reduce-scatter (rank r receives only the sum of
+shard r: half the bytes of an all-reduce), rank r updates only its shard of the fp32 master weights and
+Adam moments (minibert.optim), and an all-gather of the parameter buffer gives every rank the whole
+updated model:
+
+    bytes per parameter:  16-bit param 2 + fp32 grad 4 + fp32 master 4 + Adam m 4 + Adam v 4  = 18
+    with ZeRO-1:          2 + 4 + 12 / DP                     (master and moments are divided by DP)
+
+The parameters themselves live in a flat buffer per bucket too (`param.data` becomes a view of it), so
+that all-gather writes the model in place.
+
+What production does: Megatron's DistributedDataParallel wraps the module and also shards gradients
+(ZeRO-2, --overlap-param-gather, FSDP); we keep ZeRO-1, the one its BERT example uses."""
+import math
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_BUCKET_SIZE = 40_000_000  # elements; Megatron's default is max(40M, 1M x DP)
+
+
+class Bucket:
+    """A run of parameters whose gradients (fp32) and values (model dtype) are contiguous in two flat
+    buffers, padded to a multiple of `shards` elements so that DP ranks own equal shards."""
+
+    def __init__(self, named_params, shards: int, shard_index: int):
+        self.names = [n for n, _ in named_params]
+        self.params = [p for _, p in named_params]
+        numel = sum(p.numel() for p in self.params)
+        padded = math.ceil(numel / shards) * shards
+        first = self.params[0]
+        self.param_data = torch.zeros(padded, dtype=first.dtype, device=first.device)
+        self.grad_data = torch.zeros(padded, dtype=torch.float32, device=first.device)
+        self.ranges = []  # (start, end) of each parameter in the flat buffers
+        offset = 0
+        with torch.no_grad():
+            for p in self.params:
+                n = p.numel()
+                self.param_data[offset:offset + n].copy_(p.data.reshape(-1))
+                p.data = self.param_data[offset:offset + n].view_as(p)  # the parameter *is* the buffer slice
+                p.main_grad = self.grad_data[offset:offset + n].view_as(p)
+                self.ranges.append((offset, offset + n))
+                offset += n
+        size = padded // shards
+        self.shard = (shard_index * size, (shard_index + 1) * size)  # this DP rank's [start, end)
+        self.handle = None   # the async collective in flight, if any
+        self.waiting = 0     # parameters whose last-micro-batch gradient has not arrived yet
+
+
+class DataParallelGrads:
+    """The gradient buffers of one model chunk and their reduction over the data-parallel group.
+
+    Use per step: zero(); for each micro-batch: set_last_micro_batch(k == last); backward;
+    then finish() (all buckets reduced, handles waited on); with ZeRO-1 the optimizer calls
+    gather_params() after its update."""
+
+    def __init__(self, model, state, *, bucket_size=None, distributed_optimizer=False, overlap=False,
+                 separate=()):
+        self.group = state.group("data")
+        self.dp = state.dp
+        self.distributed_optimizer = distributed_optimizer
+        self.overlap = overlap and self.dp > 1
+        bucket_size = bucket_size or max(DEFAULT_BUCKET_SIZE, 1_000_000 * self.dp)
+        shards, index = (self.dp, state.dp_rank) if distributed_optimizer else (1, 0)
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.params = [p for _, p in named]  # the model's order
+        self.buckets, run, run_size = [], [], 0
+        for name, p in reversed(named):  # backward order
+            if name in separate:  # e.g. the tied word embedding under pipelining: a bucket of its own
+                self.buckets.append(Bucket([(name, p)], shards, index))
+                continue
+            run.append((name, p))
+            run_size += p.numel()
+            if run_size >= bucket_size:
+                self.buckets.append(Bucket(run, shards, index))
+                run, run_size = [], 0
+        if run:
+            self.buckets.append(Bucket(run, shards, index))
+        self.bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        self.sync_now = False
+        for p in self.params:
+            p.register_post_accumulate_grad_hook(self._accumulate)
+
+    def _accumulate(self, param):
+        """After autograd has summed this micro-batch's gradient into param.grad."""
+        param.main_grad.add_(param.grad)  # fp32 += 16-bit (or fp32): the micro-batches add up here
+        param.grad = None
+        if self.sync_now:
+            bucket = self.bucket_of[id(param)]
+            bucket.waiting -= 1
+            if bucket.waiting == 0:  # every gradient of this bucket is final: send it now
+                self._start(bucket)
+
+    def set_last_micro_batch(self, is_last: bool):
+        """Before a backward: is it the last micro-batch's (the one whose gradients are reduced)?"""
+        self.sync_now = is_last and self.overlap
+        if self.sync_now:
+            for b in self.buckets:
+                b.waiting = len(b.params)
+
+    def _start(self, bucket):
+        if self.group is None or bucket.handle is not None:
+            return
+        bucket.grad_data.mul_(1.0 / self.dp)  # then sum = mean over the replicas
+        if self.distributed_optimizer:
+            lo, hi = bucket.shard
+            bucket.handle = dist.reduce_scatter_tensor(bucket.grad_data[lo:hi], bucket.grad_data,
+                                                       group=self.group, async_op=True)
+        else:
+            bucket.handle = dist.all_reduce(bucket.grad_data, group=self.group, async_op=True)
+
+    def finish(self):
+        """Reduce every bucket not yet started, then wait for all: the gradients are final after this."""
+        for b in self.buckets:
+            self._start(b)
+        for b in self.buckets:
+            if b.handle is not None:
+                b.handle.wait()
+                b.handle = None
+        self.sync_now = False
+
+    def zero(self):
+        for b in self.buckets:
+            b.grad_data.zero_()
+
+    def gather_params(self):
+        """ZeRO-1, after the update: every rank's shard of the parameters -> the whole buffer, everywhere."""
+        if self.group is None or not self.distributed_optimizer:
+            return
+        handles = [dist.all_gather_into_tensor(b.param_data, b.param_data[b.shard[0]:b.shard[1]],
+                                               group=self.group, async_op=True) for b in self.buckets]
+        for h in handles:
+            h.wait()
+
+
+def finalize_gradients(all_grads, state, shared_embedding=None):
+    """After the backward of a step, on every rank: the data-parallel reduction of each model chunk, then
+    (pipelining) the tied word embedding's two copies summed over the embedding group (first + last
+    stage), so both take the same step and stay equal. Megatron: finalize_model_grads."""
+    for grads in all_grads:
+        grads.finish()
+    group = state.group("embedding")
+    if shared_embedding is not None and group is not None:
+        dist.all_reduce(shared_embedding.main_grad, group=group)
