@@ -51,6 +51,10 @@ def build_datasets(cfg, state=None, log=print):
     from minibert.parallel.state import ParallelState
     state = state or ParallelState()
     tokenizer = build_tokenizer(cfg.tokenizer_type, cfg.vocab_file)
+    if tokenizer.pad == 1:
+        raise UsageError(f"[PAD] is id 1 in {cfg.vocab_file}: Megatron's samples mark padding with the pad id "
+                         "and real tokens with 1, so padding could not be told apart; use a vocab whose [PAD] "
+                         "is another id (BERT's is 0)")
     log("building train/valid/test datasets ...")
     prefixes = [p for _, p in parse_data_path(cfg.data_path)]
     if len(prefixes) > 1:
@@ -119,16 +123,17 @@ def batch_flops(cpu_batch, cfg, is_pad):
     return model_flops(cfg, lengths, head_positions), int(lengths.sum())
 
 
-def get_batch(data_iterator, device, cfg, pad_id=0):
-    """The next micro-batch as device tensors, plus `is_pad` (bool [b, s], True = padding: the positions
-    holding the vocab's [PAD] id, which is exactly where Megatron's padding_mask is not 1) and its
-    model FLOPs and real tokens (Python numbers)."""
+def get_batch(data_iterator, device, cfg):
+    """The next micro-batch as device tensors, plus `is_pad` (bool [b, s], True = padding) and its model
+    FLOPs and real tokens (Python numbers). Megatron's padding_mask is 1 at real tokens and the vocab's
+    [PAD] id at padding (0 with BERT's vocab), so padding is where it is not 1 (build_datasets refuses a
+    vocab whose [PAD] is 1)."""
     try:
         cpu_batch = next(data_iterator)
     except StopIteration:
         raise UsageError("a data split ran out of samples: keep --train-iters/--eval-iters/--eval-interval "
                          "as in the run being resumed, or start without --load") from None
-    is_pad = cpu_batch["text"] == pad_id
+    is_pad = cpu_batch["padding_mask"] != 1
     batch = {k: cpu_batch[k].to(device, non_blocking=True) for k in BATCH_KEYS}
     batch["is_pad"] = is_pad.to(device, non_blocking=True)
     batch["flops"], batch["tokens"] = batch_flops(cpu_batch, cfg, is_pad)

@@ -20,6 +20,7 @@ written to TensorBoard (and the FLOP count behind MFU) is in training_log.py; th
 Performance: the loop waits for the GPU once per step (the skip decision on a non-finite grad norm must
 reach the host) and at the log lines. Batches come from pinned memory and are copied without blocking."""
 import functools
+import gc
 import os
 import random
 import sys
@@ -113,10 +114,10 @@ def build_model_and_optimizer(cfg, state):
     return model, optimizer, scheduler
 
 
-def forward_step(data_iterator, model, cfg, device, pad_id=0):
+def forward_step(data_iterator, model, cfg, device):
     """One micro-batch -> (loss, metrics): fp32 device scalars lm loss / sop loss, and the micro-batch's
     model FLOPs and real tokens (host numbers, for the log line)."""
-    batch = get_batch(data_iterator, device, cfg, pad_id)
+    batch = get_batch(data_iterator, device, cfg)
     lm_mask = batch["loss_mask"].bool() if cfg.sparse_mlm else None
     output = model(batch["text"], batch["types"], padding_mask=batch["is_pad"], lm_mask=lm_mask)
     loss, lm_loss, sop_loss = pretraining_loss(output, batch["labels"], batch["loss_mask"], batch["is_random"],
@@ -137,11 +138,11 @@ class StepResult:
     tokens: int = 0         # real (non-padding) tokens of this rank's micro-batches
 
 
-def train_step(model, optimizer, scheduler, data_iterator, cfg, state, pad_id=0) -> StepResult:
+def train_step(model, optimizer, scheduler, data_iterator, cfg, state) -> StepResult:
     """One optimizer step over a global batch: the schedule runs the micro-batches, then the update."""
     state = as_state(state)
     optimizer.zero_grad()
-    step = functools.partial(forward_step, cfg=cfg, device=state.device, pad_id=pad_id)
+    step = functools.partial(forward_step, cfg=cfg, device=state.device)
     results = forward_backward_no_pipelining(step, data_iterator, [model], cfg.num_micro_batches,
                                              grads=optimizer.grads, scale_loss=optimizer.scale_loss)
     losses = {name: sum(m[name] for _, m in results) / len(results)
@@ -156,12 +157,12 @@ def train_step(model, optimizer, scheduler, data_iterator, cfg, state, pad_id=0)
 
 
 @torch.no_grad()
-def evaluate(model, data_iterator, cfg, state, eval_iters, pad_id=0) -> dict:
+def evaluate(model, data_iterator, cfg, state, eval_iters) -> dict:
     """Mean losses over eval_iters global batches (dropout off), averaged over data-parallel ranks.
     The iterator is not rewound."""
     state = as_state(state)
     model.eval()
-    step = functools.partial(forward_step, cfg=cfg, device=state.device, pad_id=pad_id)
+    step = functools.partial(forward_step, cfg=cfg, device=state.device)
     results = []
     for _ in range(eval_iters):
         results += forward_backward_no_pipelining(step, data_iterator, [model], cfg.num_micro_batches,
@@ -197,8 +198,7 @@ def train(cfg, on_log=None, device=None) -> TrainResult:
 def _train(cfg, state, on_log) -> TrainResult:
     set_random_seed(cfg.seed, state)
     logger = TrainingLogger(cfg, state.device, on_log, state)
-    tokenizer, (train_ds, valid_ds, test_ds) = build_datasets(cfg, state, log=logger.print)
-    pad_id = tokenizer.pad
+    _, (train_ds, valid_ds, test_ds) = build_datasets(cfg, state, log=logger.print)
     model, optimizer, scheduler = build_model_and_optimizer(cfg, state)
     stream = data_stream(cfg)
     if state.dp_rank == 0:
@@ -227,7 +227,7 @@ def _train(cfg, state, on_log) -> TrainResult:
         logger.print(f"saved checkpoint {path}")
 
     def run_evaluation(iterator, split_name):
-        losses = evaluate(model, iterator, cfg, state, cfg.eval_iters, pad_id)
+        losses = evaluate(model, iterator, cfg, state, cfg.eval_iters)
         logger.log_evaluation(iteration, split_name, losses)
 
     logger.print("starting training")
@@ -237,7 +237,7 @@ def _train(cfg, state, on_log) -> TrainResult:
     last_saved = iteration if same_dir and iteration > 0 else None  # a checkpoint resumed in place is on disk
     stopped_early = False
     while iteration < cfg.train_iters:
-        step = train_step(model, optimizer, scheduler, train_iterator, cfg, state, pad_id)
+        step = train_step(model, optimizer, scheduler, train_iterator, cfg, state)
         if step.status == "nan" and cfg.check_for_nan_in_loss_and_grad:
             raise UsageError(nan_stop_message(cfg, iteration + 1, last_saved))
         iteration += 1
@@ -283,6 +283,7 @@ def nan_stop_message(cfg, iteration, last_saved) -> str:
 @exit_on_usage_error
 def main(argv=None):
     train(parse_args(argv))
+    gc.collect()  # free every object holding a process group while Python is fully alive
 
 
 if __name__ == "__main__":

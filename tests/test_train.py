@@ -1,7 +1,6 @@
 """The trainer end to end on CPU: tiny BERTs trained on a little real English (minibert.corpus) through
 the command line, as a user runs it. A small vocab (the corpus's most frequent WordPieces) keeps the
 LM head cheap enough for a 2-core machine."""
-import collections
 import os
 import re
 import subprocess
@@ -12,9 +11,6 @@ import torch
 
 from minibert import checkpoint
 from minibert.config import Config, validate
-from minibert.corpus import default_corpus_documents
-from minibert.preprocess import preprocess
-from minibert.tokenizer import BertWordPieceTokenizer
 from minibert.train import (MicroBatchSampler, build_data_iterator, build_datasets, build_model_and_optimizer,
                             main, train, train_step)
 from minibert.batches import batch_flops
@@ -22,7 +18,6 @@ from minibert.training_log import IntervalStats, TrainingLogger
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN_PY = os.path.join(ROOT, "minibert", "train.py")
-SPECIAL = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 NUM = r"[-+]?\d\.\d{6}E[-+]\d{2}"
 LOG_LINE = re.compile(
     r"^iteration +(\d+)/ +(\d+) \| consumed samples: +(\d+) \| elapsed time per iteration \(ms\): \d+\.\d \| "
@@ -35,24 +30,8 @@ VALID_LINE = re.compile(rf"^validation loss at iteration (\d+)( on validation se
 
 
 @pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    """400 documents of the default corpus; a 1.5k-token vocab made of their most frequent WordPieces;
-    the corpus preprocessed with it (sentences), and a few documents with the full BERT vocab."""
-    d = tmp_path_factory.mktemp("train")
-    docs = default_corpus_documents()[:400]
-    corpus = d / "corpus.txt"
-    corpus.write_text("".join(doc + "\n" for doc in docs))
-    full = BertWordPieceTokenizer()
-    counts = collections.Counter(i for doc in docs for i in full.tokenize(doc))
-    frequent = [full.inv_vocab[i] for i, _ in counts.most_common() if full.inv_vocab[i] not in SPECIAL]
-    vocab = d / "vocab.txt"
-    vocab.write_text("".join(t + "\n" for t in SPECIAL + frequent[:1500]))
-    prefix = preprocess(str(corpus), str(d / "corpus"), BertWordPieceTokenizer(str(vocab)),
-                        split_sentences=True, progress=False)[0]
-    few = d / "few.txt"
-    few.write_text("".join(doc + "\n" for doc in docs[:60]))
-    full_prefix = preprocess(str(few), str(d / "full"), full, split_sentences=True, progress=False)[0]
-    return {"dir": d, "prefix": prefix, "vocab": str(vocab), "full_prefix": full_prefix}
+def data(tiny_data):
+    return tiny_data
 
 
 def tiny_args(data, *extra):

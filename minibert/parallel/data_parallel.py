@@ -53,6 +53,9 @@ import torch
 import torch.distributed as dist
 
 DEFAULT_BUCKET_SIZE = 40_000_000  # elements; Megatron's default is max(40M, 1M x DP)
+# torch 2.13 renames the flat-tensor collectives (the old names warn); torch 2.11 has only the old ones
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 
 
 class Bucket:
@@ -140,7 +143,7 @@ class DataParallelGrads:
         bucket.grad_data.mul_(1.0 / self.dp)  # then sum = mean over the replicas
         if self.distributed_optimizer:
             lo, hi = bucket.shard
-            bucket.handle = dist.reduce_scatter_tensor(bucket.grad_data[lo:hi], bucket.grad_data,
+            bucket.handle = reduce_scatter_single(bucket.grad_data[lo:hi], bucket.grad_data,
                                                        group=self.group, async_op=True)
         else:
             bucket.handle = dist.all_reduce(bucket.grad_data, group=self.group, async_op=True)
@@ -163,7 +166,7 @@ class DataParallelGrads:
         """ZeRO-1, after the update: every rank's shard of the parameters -> the whole buffer, everywhere."""
         if self.group is None or not self.distributed_optimizer:
             return
-        handles = [dist.all_gather_into_tensor(b.param_data, b.param_data[b.shard[0]:b.shard[1]],
+        handles = [all_gather_single(b.param_data, b.param_data[b.shard[0]:b.shard[1]],
                                                group=self.group, async_op=True) for b in self.buckets]
         for h in handles:
             h.wait()

@@ -29,6 +29,7 @@ What production does: Megatron's parallel_state.py keeps ~60 module-level groups
 parallelism, hierarchical groups, gloo twins for CPU objects); we keep the five BERT training needs."""
 import argparse
 import datetime
+import gc
 import os
 import sys
 from dataclasses import dataclass, field
@@ -154,8 +155,12 @@ class ParallelState:
             dist.barrier()
 
     def destroy(self):
+        """Tear the groups down while Python is fully alive: a gloo group left to the interpreter's
+        shutdown can abort the process (its worker threads outlive the objects they use)."""
+        self.groups.clear()
         if self.world_size > 1 and dist.is_initialized():
             dist.destroy_process_group()
+        gc.collect()
 
 
 # ---- collectives that are no-ops over a group of one (group None) ----

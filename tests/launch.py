@@ -1,0 +1,87 @@
+"""Helpers for tests that run minibert/train.py as a user does: one process, or real `torchrun` processes
+(gloo on CPU, one thread each), each launch with a free port and a timeout so a hang fails in seconds.
+Results are read back from the console lines and the TensorBoard files the runs write."""
+import os
+import re
+import socket
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TRAIN_PY = os.path.join(ROOT, "minibert", "train.py")
+TIMEOUT = 240  # seconds for one launch: the slowest (8 processes on 2 cores) takes ~60
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def env(**extra):
+    e = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONUNBUFFERED": "1", **extra}
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        e.pop(name, None)
+    return e
+
+
+def torchrun_command(nproc, args, nnodes=1, node_rank=0, port=None):
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+                "--master_addr", "127.0.0.1", "--master_port", str(port or free_port())]
+    if nnodes > 1:
+        launcher += ["--nnodes", str(nnodes), "--node_rank", str(node_rank)]
+    return launcher + [TRAIN_PY] + [str(a) for a in args]
+
+
+def run(nproc, args, timeout=TIMEOUT):
+    """nproc == 1: `python minibert/train.py ARGS`; else `torchrun --nproc_per_node N minibert/train.py ARGS`."""
+    command = [sys.executable, TRAIN_PY] + [str(a) for a in args] if nproc == 1 else torchrun_command(nproc, args)
+    return subprocess.run(command, capture_output=True, text=True, env=env(), cwd=ROOT, timeout=timeout)
+
+
+def run_nodes(nnodes, nproc_per_node, args, timeout=TIMEOUT):
+    """`nnodes` torchrun launchers on this machine, as if on separate nodes (--nnodes, --node_rank)."""
+    port = free_port()
+    procs = [subprocess.Popen(torchrun_command(nproc_per_node, args, nnodes, r, port), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env(), cwd=ROOT) for r in range(nnodes)]
+    results = []
+    for p in procs:
+        try:
+            out, err = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+        results.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+    return results
+
+
+def tensorboard_scalars(directory) -> dict:
+    """tag -> [(step, value), ...] from the event files a run wrote (float32, as TensorBoard stores them)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = EventAccumulator(str(directory))
+    events.Reload()
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
+def comparable_lines(stdout):
+    """The log and validation lines with the timing fields removed (what two exact runs share)."""
+    timing = re.compile(r"elapsed time per iteration \(ms\): [\d.]+ \| ")
+    return [timing.sub("", line) for line in stdout.splitlines() if line.startswith(("iteration ", "validation loss"))]
+
+
+def error_lines(stderr):
+    return [line for line in stderr.splitlines() if line.startswith("error:")]
+
+
+def assert_close_runs(reference, other, tags=("lm loss", "sop loss", "grad-norm"), rel=1e-5):
+    """Every logged value of `tags` equal within `rel` (relative); returns the worst relative difference."""
+    worst = 0.0
+    for tag in tags:
+        ref, got = reference[tag], other[tag]
+        assert [s for s, _ in ref] == [s for s, _ in got], tag
+        for (step, a), (_, b) in zip(ref, got):
+            difference = abs(a - b) / max(abs(a), 1e-12)
+            assert difference <= rel, f"{tag} at iteration {step}: {a} vs {b} (relative {difference:.2e})"
+            worst = max(worst, difference)
+    return worst
