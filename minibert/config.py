@@ -60,6 +60,9 @@ class Config:
     sequence_parallel: bool = _flag(False, "with TP: LayerNorm/dropout/residual on a 1/TP slice of the sequence")
     num_layers_per_virtual_pipeline_stage: int = _flag(None, "interleaved 1F1B: layers per model chunk "
                                                              "(each stage holds several chunks)")
+    pipeline_schedule: str = _flag("1f1b", "with --pipeline-model-parallel-size > 1 and no virtual stages: "
+                                           "1f1b (Megatron's) or afab (all forwards, then all backwards: the "
+                                           "simple contrast; minibert's flag)", choices=["1f1b", "afab"])
     decoder_first_pipeline_num_layers: int = _flag(None, "uneven pipeline: layers on the first stage")
     decoder_last_pipeline_num_layers: int = _flag(None, "uneven pipeline: layers on the last stage "
                                                         "(it also runs the LM head)")
@@ -194,15 +197,10 @@ PRESETS = {  # the three sizes of Megatron's BERT example (BERT-large is its "34
 
 # Flags whose feature arrives in a later part of the course: accepted, then refused with this reason.
 NOT_SUPPORTED_YET = {
-    "tensor_model_parallel_size": (lambda v: v != 1, "tensor parallelism (--tensor-model-parallel-size > 1)"),
-    "pipeline_model_parallel_size": (lambda v: v != 1, "pipeline parallelism (--pipeline-model-parallel-size > 1)"),
-    "sequence_parallel": (lambda v: v, "--sequence-parallel"),
-    "num_layers_per_virtual_pipeline_stage": (lambda v: v is not None, "--num-layers-per-virtual-pipeline-stage"),
     "recompute_activations": (lambda v: v, "activation recompute (--recompute-activations)"),
     "recompute_granularity": (lambda v: v is not None, "activation recompute (--recompute-granularity)"),
     "exit_signal_handler": (lambda v: v, "--exit-signal-handler"),
     "profile": (lambda v: v, "--profile"),
-    "pipeline_trace": (lambda v: v, "--pipeline-trace"),
 }
 
 
@@ -248,13 +246,17 @@ def validate(cfg: Config, world_size: int = 1, device_type: str = "cpu", warn=_w
     parse_split(cfg.split)
     if cfg.data_path is not None:
         parse_data_path(cfg.data_path)
-    _validate_layout(cfg, world_size)
+    _validate_layout(cfg, world_size, warn)
     if cfg.global_batch_size is None:
         cfg.global_batch_size = cfg.micro_batch_size * cfg.data_parallel_size
     if cfg.global_batch_size % (cfg.micro_batch_size * cfg.data_parallel_size):
         raise UsageError(f"--global-batch-size {cfg.global_batch_size} must be a multiple of "
                          f"--micro-batch-size x data-parallel size = {cfg.micro_batch_size} x "
                          f"{cfg.data_parallel_size}")
+    if cfg.virtual_pipeline_size > 1 and cfg.num_micro_batches % cfg.pipeline_model_parallel_size:
+        raise UsageError(f"the interleaved schedule needs the micro-batches per step ({cfg.num_micro_batches}) "
+                         f"to be a multiple of --pipeline-model-parallel-size {cfg.pipeline_model_parallel_size}: "
+                         "change --global-batch-size or --micro-batch-size")
     if cfg.lr_decay_iters is None:
         cfg.lr_decay_iters = cfg.train_iters
     warmup_iters = (cfg.lr_warmup_fraction * cfg.lr_decay_iters if cfg.lr_warmup_fraction is not None
@@ -274,11 +276,28 @@ def validate(cfg: Config, world_size: int = 1, device_type: str = "cpu", warn=_w
     return cfg
 
 
-def _validate_layout(cfg: Config, world_size: int):
+def _validate_layout(cfg: Config, world_size: int, warn):
     """TP x PP x DP: the sizes divide the world, the layers and the matrices (Megatron's checks)."""
     from minibert.parallel.state import check_sizes
     tp, pp = cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size
     cfg.data_parallel_size = check_sizes(world_size, tp, pp)
+    if cfg.sequence_parallel and tp == 1:  # as Megatron: nothing to split the sequence over
+        warn("--sequence-parallel needs --tensor-model-parallel-size > 1; running without it")
+        cfg.sequence_parallel = False
+    if cfg.sequence_parallel and cfg.seq_length % tp:
+        raise UsageError(f"--sequence-parallel: --seq-length {cfg.seq_length} must be divisible by "
+                         f"--tensor-model-parallel-size {tp}")
+    lps = cfg.num_layers_per_virtual_pipeline_stage
+    if lps is not None and (pp < 2 or lps <= 0 or cfg.num_layers % (pp * lps)):
+        raise UsageError(f"--num-layers-per-virtual-pipeline-stage {lps}: the interleaved schedule needs "
+                         f"--pipeline-model-parallel-size >= 2 and --num-layers {cfg.num_layers} divisible by "
+                         f"PP x {lps}")
+    from minibert.parallel.schedules import layer_ranges
+    try:
+        layer_ranges(cfg.num_layers, pp, cfg.virtual_pipeline_size, cfg.decoder_first_pipeline_num_layers,
+                     cfg.decoder_last_pipeline_num_layers)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     for name in ("num_attention_heads", "hidden_size", "ffn_size"):
         if getattr(cfg, name) % tp:
             flag = "--ffn-hidden-size" if name == "ffn_size" else _flag_name(name)

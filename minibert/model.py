@@ -100,8 +100,8 @@ class SelfAttention(nn.Module):
         self.rng_context = contextlib.nullcontext
 
     def forward(self, x, padding_mask, backend):
-        b, s, _ = x.shape
-        qkv = self.query_key_value(x)  # [b, s, 3 * local heads * d]
+        qkv = self.query_key_value(x)  # [b, s, 3 * local heads * d] (sequence parallel: x had s / TP)
+        b, s = qkv.shape[:2]
         qkv = qkv.view(b, s, -1, 3, self.head_dim)  # [b, s, heads, 3, d]
         q, k, v = qkv.permute(3, 0, 2, 1, 4).unbind(0)  # 3 x [b, heads, s, d]
         dropout_p = self.dropout if self.training else 0.0
@@ -136,10 +136,12 @@ class TransformerLayer(nn.Module):
         self.mlp_layernorm = nn.LayerNorm(h, eps=eps)
         self.mlp = MLP(config)
         self.dropout = config.hidden_dropout
+        self.rng_context = contextlib.nullcontext  # sequence parallelism: each rank's own generator
 
     def forward(self, x, padding_mask, backend):  # x [b, s, h] -> [b, s, h]
         def drop(y):
-            return F.dropout(y, self.dropout, self.training)
+            with self.rng_context():
+                return F.dropout(y, self.dropout, self.training)
         if self.post_ln:
             x = self.attention_layernorm(x + drop(self.self_attention(x, padding_mask, backend)))
             return self.mlp_layernorm(x + drop(self.mlp(x)))
@@ -236,6 +238,9 @@ class BertModel(nn.Module):
             self.pooler = nn.Linear(h, h) if config.binary_head else None
             self.binary_head = nn.Linear(h, 2) if config.binary_head else None
         self.lm_cross_entropy = lm_cross_entropy  # swappable (vocab-parallel under TP)
+        # Where the layers' region starts and ends: identities here; sequence parallelism scatters the
+        # sequence over the tensor-parallel ranks on the way in and gathers it on the way out.
+        self.to_layers, self.from_layers = nn.Identity(), nn.Identity()
         if init:
             init_parameters(self, config.seed)
 
@@ -248,16 +253,18 @@ class BertModel(nn.Module):
                                self.config.hidden_size // self.config.num_attention_heads)
 
     def embed(self, tokens, types=None):
-        """First stage: tokens, types [b, s] -> x [b, s, h]."""
-        return self.embedding(tokens, types)
+        """First stage: tokens, types [b, s] -> x [b, s, h] (sequence parallel: [b, s / TP, h])."""
+        return self.to_layers(self.embedding(tokens, types))
 
     def encode(self, x, padding_mask=None):
         """This model's layers (and, on the last stage of pre-LN, the final LayerNorm): [b, s, h] -> [b, s, h]."""
         backend = self.attention_backend(x.device)  # once per forward, shared by every layer
         for layer in self.layers.values():
             x = layer(x, padding_mask, backend)  # [b, s, h]
-        if self.post_process and self.final_layernorm is not None:
-            x = self.final_layernorm(x)
+        if self.post_process:
+            if self.final_layernorm is not None:
+                x = self.final_layernorm(x)
+            x = self.from_layers(x)
         return x
 
     def head(self, hidden, lm_mask=None) -> BertOutput:

@@ -117,7 +117,7 @@ class MixedPrecisionOptimizer:
                  eps=1e-8, clip_grad=1.0, loss_scaler: DynamicLossScaler = None, shared_embedding=None):
         self.grads, self.state = grads, state
         self.clip_grad, self.loss_scaler = clip_grad, loss_scaler
-        self.shared_embedding = shared_embedding  # the last stage's copy of the tied word table (pipelining)
+        self.shared_embedding = shared_embedding  # pipelining: the tied word table (first stage) or its copy (last)
         self.distributed = grads[0].distributed_optimizer
         self.pieces, self._master_shards = [], []  # (bucket, fp32 shard) for the copy back
         for bucket in (b for g in grads for b in g.buckets):
@@ -147,7 +147,7 @@ class MixedPrecisionOptimizer:
     def _in_norm(self, name, param) -> bool:
         """Count each parameter once in the global grad norm: a tensor-parallel *replicated* one (a
         LayerNorm, a row-parallel bias) only on tensor-parallel rank 0, the tied table's pipeline copy never."""
-        if param is self.shared_embedding:
+        if param is self.shared_embedding and not self.state.is_first_stage:
             return False
         return hasattr(param, "partition_dim") or self.state.tp_rank == 0
 

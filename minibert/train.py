@@ -37,10 +37,14 @@ from minibert.batches import (BATCH_KEYS, MicroBatchSampler, build_data_iterator
                               data_stream, get_batch)
 from minibert.config import parse_args, validate
 from minibert.errors import UsageError, exit_on_usage_error
-from minibert.model import BertModel, pretraining_loss
+from minibert.model import BertModel, init_parameters, pretraining_loss
 from minibert.optim import build_optimizer, build_scheduler
-from minibert.parallel.pipeline import forward_backward_no_pipelining
+from minibert.parallel.pipeline import (Pipeline, forward_backward_no_pipelining, forward_backward_pipelining,
+                                       forward_pipelining)
+from minibert.parallel.rng import TENSOR_PARALLEL_SEED_OFFSET, TensorParallelRNG
+from minibert.parallel.schedules import layer_ranges
 from minibert.parallel.state import ParallelState
+from minibert.parallel.tensor_parallel import apply_tensor_parallel
 from minibert.training_log import IntervalStats, TrainingLogger, reduce_over_data_parallel
 
 
@@ -87,11 +91,14 @@ def use_checkpoint_args(cfg):
 
 def set_random_seed(seed: int, state: ParallelState):
     """Seeds python, numpy and torch (CPU and CUDA): dropout follows from them (the init does not: it is
-    drawn per parameter name). As Megatron, each pipeline stage gets seed + 100 x stage."""
+    drawn per parameter name). As Megatron, each pipeline stage gets seed + 100 x stage, and each
+    tensor-parallel rank a generator of its own for the dropout inside the tensor-parallel region
+    (minibert.parallel.rng)."""
     seed = seed + 100 * state.pp_rank
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
+    state.rng = TensorParallelRNG(seed + TENSOR_PARALLEL_SEED_OFFSET + state.tp_rank, state.device)
 
 
 def as_state(state_or_device) -> ParallelState:
@@ -102,24 +109,78 @@ def as_state(state_or_device) -> ParallelState:
 
 
 # ---------------------------------------------------------------- model and one step
+def compute_dtype(cfg):
+    return torch.float16 if cfg.fp16 else torch.bfloat16 if cfg.bf16 else torch.float32
+
+
+def build_model(cfg, state):
+    """This rank's part of the model: its pipeline stage's layers (one model chunk, or several with the
+    interleaved schedule: then a list), each built on the meta device (shapes only), tensor parallelism
+    applied (this rank's shards), then allocated on the device and initialised (each parameter drawn from
+    --seed and its name, so the weights are the one-process model's whatever the layout), cast to 16-bit."""
+    vp = cfg.virtual_pipeline_size
+    ranges = layer_ranges(cfg.num_layers, state.pp, vp, cfg.decoder_first_pipeline_num_layers,
+                          cfg.decoder_last_pipeline_num_layers)[state.pp_rank]
+    chunks = []
+    for c, layers in enumerate(ranges):
+        with torch.device("meta"):
+            chunk = BertModel(cfg, layer_numbers=layers, pre_process=state.is_first_stage and c == 0,
+                              post_process=state.is_last_stage and c == vp - 1, init=False)
+        apply_tensor_parallel(chunk, state, state.rng, cfg.sequence_parallel)
+        marks = {name: dict(vars(p)) for name, p in chunk.named_parameters()}  # which block each shard is
+        chunk.to_empty(device=state.device)  # makes new Parameter objects (without the marks) ...
+        for name, p in chunk.named_parameters():
+            vars(p).update(marks[name])  # ... so they are put back
+        init_parameters(chunk, cfg.seed)
+        chunks.append(chunk.to(compute_dtype(cfg)))
+    return chunks[0] if len(chunks) == 1 else chunks
+
+
+def as_chunks(model) -> list:
+    return model if isinstance(model, (list, tuple)) else [model]
+
+
+def tied_embedding(chunks, state):
+    """With pipelining, the word table of the first stage and its copy on the last (for the tied LM head)."""
+    if state.pp == 1:
+        return None
+    for chunk in (chunks[0], chunks[-1]):
+        if chunk.pre_process or chunk.post_process:
+            return chunk.embedding.word_embeddings.weight
+    return None
+
+
+def build_pipeline(cfg, state):
+    """The pipeline's schedule and exchange plan for this rank (None without pipelining)."""
+    if state.pp == 1:
+        return None
+    kind = "interleaved" if cfg.virtual_pipeline_size > 1 else cfg.pipeline_schedule
+    seq = cfg.seq_length // (state.tp if cfg.sequence_parallel else 1)
+    return Pipeline(state, kind, cfg.num_micro_batches, cfg.virtual_pipeline_size,
+                    (cfg.micro_batch_size, seq, cfg.hidden_size), compute_dtype(cfg), cfg.pipeline_trace)
+
+
 def build_model_and_optimizer(cfg, state):
-    """The model (each parameter drawn from --seed and its name, then moved and cast to --fp16/--bf16),
-    AdamW with fp32 masters over the gradient buckets, and the LR scheduler. `state`: a ParallelState
-    or a device."""
+    """The model (build_model), AdamW with fp32 masters over the gradient buckets, and the LR scheduler.
+    `state`: a ParallelState or a device."""
     state = as_state(state)
-    dtype = torch.float16 if cfg.fp16 else torch.bfloat16 if cfg.bf16 else torch.float32
-    model = BertModel(cfg).to(device=state.device, dtype=dtype)
-    optimizer = build_optimizer(model, cfg, state)
+    if state.rng is None:
+        set_random_seed(cfg.seed, state)
+    model = build_model(cfg, state)
+    optimizer = build_optimizer(model, cfg, state, tied_embedding(as_chunks(model), state))
     scheduler = build_scheduler(optimizer, cfg)
     return model, optimizer, scheduler
 
 
-def forward_step(data_iterator, model, cfg, device):
-    """One micro-batch -> (loss, metrics): fp32 device scalars lm loss / sop loss, and the micro-batch's
-    model FLOPs and real tokens (host numbers, for the log line)."""
-    batch = get_batch(data_iterator, device, cfg)
+def forward_step(batch, model, hidden_states, cfg):
+    """One micro-batch through this model chunk -> (loss, metrics) on the stage with the heads: fp32
+    device scalars lm loss / sop loss, and the micro-batch's model FLOPs and real tokens (host numbers,
+    for the log line). Earlier pipeline stages return (hidden states, None)."""
     lm_mask = batch["loss_mask"].bool() if cfg.sparse_mlm else None
-    output = model(batch["text"], batch["types"], padding_mask=batch["is_pad"], lm_mask=lm_mask)
+    output = model(batch["text"], batch["types"], padding_mask=batch["is_pad"], lm_mask=lm_mask,
+                   hidden_states=hidden_states)
+    if not model.post_process:
+        return output, None
     loss, lm_loss, sop_loss = pretraining_loss(output, batch["labels"], batch["loss_mask"], batch["is_random"],
                                                sparse=cfg.sparse_mlm, cross_entropy=model.lm_cross_entropy)
     metrics = {"lm loss": lm_loss.detach(), "flops": batch["flops"], "tokens": batch["tokens"]}
@@ -138,36 +199,52 @@ class StepResult:
     tokens: int = 0         # real (non-padding) tokens of this rank's micro-batches
 
 
-def train_step(model, optimizer, scheduler, data_iterator, cfg, state) -> StepResult:
+def next_batches(data_iterator, cfg, state):
+    """This step's micro-batches for this rank, on the device (every pipeline stage reads them)."""
+    return [get_batch(data_iterator, state.device, cfg) for _ in range(cfg.num_micro_batches)]
+
+
+def train_step(model, optimizer, scheduler, data_iterator, cfg, state, pipeline=None) -> StepResult:
     """One optimizer step over a global batch: the schedule runs the micro-batches, then the update."""
     state = as_state(state)
     optimizer.zero_grad()
-    step = functools.partial(forward_step, cfg=cfg, device=state.device)
-    results = forward_backward_no_pipelining(step, data_iterator, [model], cfg.num_micro_batches,
-                                             grads=optimizer.grads, scale_loss=optimizer.scale_loss)
+    step = functools.partial(forward_step, cfg=cfg)
+    batches = next_batches(data_iterator, cfg, state)
+    if pipeline is None:
+        results = forward_backward_no_pipelining(step, batches, as_chunks(model), grads=optimizer.grads,
+                                                 scale_loss=optimizer.scale_loss)
+    else:
+        results = forward_backward_pipelining(step, batches, as_chunks(model), pipeline, grads=optimizer.grads,
+                                              scale_loss=optimizer.scale_loss)
     losses = {name: sum(m[name] for _, m in results) / len(results)
               for name in ("lm loss", "sop loss") if results and name in results[0][1]}
     nonfinite = sum((~torch.isfinite(loss)).float() for loss, _ in results) if results else None
     outcome = optimizer.step(nonfinite)
     if outcome.update_successful:
         scheduler.step(increment=cfg.global_batch_size)
+    flops, tokens = sum(b["flops"] for b in batches), sum(b["tokens"] for b in batches)
     return StepResult(losses, outcome.grad_norm if outcome.update_successful else None,
-                      not outcome.update_successful, outcome.status,
-                      sum(m["flops"] for _, m in results), sum(m["tokens"] for _, m in results))
+                      not outcome.update_successful, outcome.status, flops, tokens)
 
 
 @torch.no_grad()
-def evaluate(model, data_iterator, cfg, state, eval_iters) -> dict:
-    """Mean losses over eval_iters global batches (dropout off), averaged over data-parallel ranks.
-    The iterator is not rewound."""
+def evaluate(model, data_iterator, cfg, state, eval_iters, pipeline=None) -> dict:
+    """Mean losses over eval_iters global batches (dropout off), averaged over data-parallel ranks (on the
+    last pipeline stage; {} elsewhere). The iterator is not rewound."""
     state = as_state(state)
-    model.eval()
-    step = functools.partial(forward_step, cfg=cfg, device=state.device)
+    chunks = as_chunks(model)
+    for chunk in chunks:
+        chunk.eval()
+    step = functools.partial(forward_step, cfg=cfg)
     results = []
     for _ in range(eval_iters):
-        results += forward_backward_no_pipelining(step, data_iterator, [model], cfg.num_micro_batches,
-                                                  forward_only=True)
-    model.train()
+        batches = next_batches(data_iterator, cfg, state)
+        if pipeline is None:
+            results += forward_backward_no_pipelining(step, batches, chunks, forward_only=True)
+        else:
+            results += forward_pipelining(step, batches, chunks, pipeline)
+    for chunk in chunks:
+        chunk.train()
     sums = {name: sum(m[name] for _, m in results) / len(results)
             for name in ("lm loss", "sop loss") if results and name in results[0][1]}
     return reduce_over_data_parallel(sums, state, average=sums.keys())
@@ -200,10 +277,11 @@ def _train(cfg, state, on_log) -> TrainResult:
     logger = TrainingLogger(cfg, state.device, on_log, state)
     _, (train_ds, valid_ds, test_ds) = build_datasets(cfg, state, log=logger.print)
     model, optimizer, scheduler = build_model_and_optimizer(cfg, state)
+    chunks, pipeline = as_chunks(model), build_pipeline(cfg, state)
     stream = data_stream(cfg)
     if state.dp_rank == 0:
         print(f" > number of parameters on (tensor, pipeline) model parallel rank ({state.tp_rank}, "
-              f"{state.pp_rank}): {sum(p.numel() for p in model.parameters())}", flush=True)
+              f"{state.pp_rank}): {sum(p.numel() for c in chunks for p in c.parameters())}", flush=True)
     logger.print(f" > optimizer state per rank (fp32 masters and Adam moments): {optimizer.state_bytes()} bytes")
 
     iteration = consumed_train = consumed_valid = 0
@@ -218,26 +296,29 @@ def _train(cfg, state, on_log) -> TrainResult:
     valid_iterator = build_data_iterator(valid_ds, consumed_valid, cfg, state.device, state)
     if saved and iteration > 0 and not cfg.no_load_rng:  # last: building the iterators draws from torch's generator
         checkpoint.set_rng_state(saved["rng_state"][0])
+        state.rng.load_state_dict(saved["rng_state"][0]["tensor_parallel"])
     do_valid = valid_iterator is not None and cfg.eval_iters > 0
 
     def save():
-        rank_state = checkpoint.training_state(cfg, iteration, model, optimizer, scheduler,
-                                               consumed_train, consumed_valid, data_stream=stream)
+        rng_state = {**checkpoint.get_rng_state(), "tensor_parallel": state.rng.state_dict()}
+        rank_state = checkpoint.training_state(cfg, iteration, model, optimizer, scheduler, consumed_train,
+                                               consumed_valid, data_stream=stream, rng_state=rng_state)
         path = checkpoint.save(cfg.save, iteration, state, rank_state, cfg.use_distributed_optimizer)
         logger.print(f"saved checkpoint {path}")
 
     def run_evaluation(iterator, split_name):
-        losses = evaluate(model, iterator, cfg, state, cfg.eval_iters)
+        losses = evaluate(model, iterator, cfg, state, cfg.eval_iters, pipeline)
         logger.log_evaluation(iteration, split_name, losses)
 
     logger.print("starting training")
-    model.train()
+    for chunk in chunks:
+        chunk.train()
     stats = IntervalStats(state.device)
     same_dir = bool(saved and cfg.save) and os.path.abspath(cfg.save) == os.path.abspath(cfg.load)
     last_saved = iteration if same_dir and iteration > 0 else None  # a checkpoint resumed in place is on disk
     stopped_early = False
     while iteration < cfg.train_iters:
-        step = train_step(model, optimizer, scheduler, train_iterator, cfg, state)
+        step = train_step(model, optimizer, scheduler, train_iterator, cfg, state, pipeline)
         if step.status == "nan" and cfg.check_for_nan_in_loss_and_grad:
             raise UsageError(nan_stop_message(cfg, iteration + 1, last_saved))
         iteration += 1

@@ -173,11 +173,24 @@ class DataParallelGrads:
 
 
 def finalize_gradients(all_grads, state, shared_embedding=None):
-    """After the backward of a step, on every rank: the data-parallel reduction of each model chunk, then
-    (pipelining) the tied word embedding's two copies summed over the embedding group (first + last
-    stage), so both take the same step and stay equal. Megatron: finalize_model_grads."""
+    """After the backward of a step, on every rank (Megatron: finalize_model_grads):
+    1. the data-parallel reduction of each model chunk;
+    2. sequence parallelism: the parameters every tensor-parallel rank holds whole but applied to its own
+       slice of the sequence (LayerNorms, row-parallel biases) got only that slice's gradient: sum them
+       over the tensor-parallel group;
+    3. pipelining: the tied word embedding's two copies (first and last stage) summed over the embedding
+       group, so both take the same step and stay equal."""
     for grads in all_grads:
         grads.finish()
+    tp_group = state.group("tensor")
+    sliced = [p.main_grad for g in all_grads for p in g.params if getattr(p, "sequence_parallel", False)]
+    if tp_group is not None and sliced:
+        flat = torch.cat([t.reshape(-1) for t in sliced])  # one all-reduce for all of them
+        dist.all_reduce(flat, group=tp_group)
+        offset = 0
+        for t in sliced:
+            t.copy_(flat[offset:offset + t.numel()].view_as(t))
+            offset += t.numel()
     group = state.group("embedding")
     if shared_embedding is not None and group is not None:
         dist.all_reduce(shared_embedding.main_grad, group=group)

@@ -85,6 +85,7 @@ class ParallelState:
     local_rank: int = 0
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     groups: dict = field(default_factory=dict)  # kind -> this rank's ProcessGroup, None for a group of one
+    rng: object = None  # this rank's tensor-parallel generator (minibert.parallel.rng), set by the trainer
 
     @property
     def world_size(self) -> int:
