@@ -303,9 +303,8 @@ def hf_to_checkpoint(hf_dir: str, save_dir: str) -> str:
 
 def checkpoint_to_hf(load_dir: str, out_dir: str) -> None:
     """to-hf: a minibert checkpoint directory -> OUT with config, weights and tokenizer files."""
-    from minibert.checkpoint import load_model
-    from minibert.fill_mask import tokenizer_for_checkpoint
-    model, cfg = load_model(load_dir)
+    from minibert.fill_mask import load_checkpoint_model, tokenizer_for_checkpoint
+    model, cfg = load_checkpoint_model(load_dir)
     to_hf(model, out_dir, tokenizer=tokenizer_for_checkpoint(load_dir, cfg))
 
 

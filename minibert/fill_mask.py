@@ -72,6 +72,16 @@ def encode_with_masks(text: str, tokenizer, max_length: int):
     return ids, positions
 
 
+def load_checkpoint_model(checkpoint_dir: str):
+    """checkpoint.load_model, with one clear error (and no "starting from scratch" warning, which is for
+    training) when the folder holds no checkpoint."""
+    from minibert.checkpoint import load_model, tracker_path
+    if not os.path.isfile(tracker_path(checkpoint_dir)):
+        raise UsageError(f"{checkpoint_dir} holds no checkpoint (no {os.path.basename(tracker_path(checkpoint_dir))}): "
+                         "pass a directory written by train.py --save or by python -m minibert.convert from-hf --save")
+    return load_model(checkpoint_dir, attention_backend="local")
+
+
 @torch.no_grad()
 def fill_mask(model, tokenizer, text: str, top_k: int = 5):
     """-> (ids, [(position, [(token, probability), ...top_k]) for each [MASK]])."""
@@ -100,8 +110,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.top_k < 1:
         raise UsageError(f"--top-k {args.top_k}: ask for at least 1 token")
-    from minibert.checkpoint import load_model
-    model, cfg = load_model(args.load, attention_backend="local")
+    model, cfg = load_checkpoint_model(args.load)
     tokenizer = tokenizer_for_checkpoint(args.load, cfg, args.vocab_file)
     ids, results = fill_mask(model, tokenizer, args.text, args.top_k)
     print("text: ", " ".join(tokenizer.convert_ids_to_tokens(ids)))

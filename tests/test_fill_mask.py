@@ -88,11 +88,15 @@ def test_bad_input_is_one_line_and_exit_2(tiny_checkpoint, args, message):
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], result.stderr
 
 
-def test_a_directory_without_a_checkpoint_is_one_line_and_exit_2(tmp_path):
-    result = run("minibert.fill_mask", "--load", str(tmp_path), TEXT)
+@pytest.mark.parametrize("command", [["minibert.fill_mask", "--load", "{dir}", TEXT],
+                                     ["minibert.convert", "to-hf", "--load", "{dir}", "--output", "{dir}/hf"]],
+                         ids=["fill_mask", "to-hf"])
+def test_a_directory_without_a_checkpoint_is_one_line_and_exit_2(tmp_path, command):
+    result = run(*[part.format(dir=tmp_path) for part in command])
     assert result.returncode == 2
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
-    assert len(errors) == 1 and str(tmp_path) in errors[0], result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and str(tmp_path) in lines[0], result.stderr
+    assert not (tmp_path / "hf").exists()
 
 
 def test_to_hf_output_runs_in_the_transformers_pipeline(tiny_checkpoint, tmp_path):
