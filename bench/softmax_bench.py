@@ -2,7 +2,7 @@
 
 Shape: BERT-large attention scores at s=512, b=32: bf16 [32, 16, 512, 512] (268 MB), key-padding mask
 [32, 1, 1, 512] with each sequence's length drawn uniformly from [256, 512]. Bandwidth counts the bytes a
-perfect kernel must move (PERF.md): forward = read x + write y, backward = read y + read dy + write dx; the
+perfect kernel must move (docs/measuring.md): forward = read x + write y, backward = read y + read dy + write dx; the
 mask is not counted. The ceiling is a device copy (x.clone(): read + write).
 
     python bench/softmax_bench.py        # the table below, plus the sweep over SoftmaxConfig variants
@@ -47,7 +47,7 @@ def sweep_configs(sk=SHAPE[-1]):
 
 
 def _eager_chain(x, mask, scale):
-    """What a model without fusion runs (PERF.md's 'eager' row): three kernels."""
+    """What a model without fusion runs (the 'eager' row of BENCHMARKS.md): three kernels."""
     return torch.softmax((x * scale).masked_fill(mask, float("-inf")), dim=-1)
 
 

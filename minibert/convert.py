@@ -1,16 +1,24 @@
-"""HuggingFace <-> minibert weights: `from_hf(hf_dir) -> BertModel`, `to_hf(model, out_dir)`.
+"""HuggingFace <-> minibert weights: `from_hf(hf_dir) -> BertModel`, `to_hf(model, out_dir)`, and a CLI:
+
+    python -m minibert.convert to-hf --load CKPT_DIR --output OUT    a minibert checkpoint -> a HF model folder
+    python -m minibert.convert from-hf HF_DIR --save DIR            a HF model folder -> minibert released weights
 
 Two HF architectures match minibert's two layouts exactly (same math, only names and shapes differ):
-  - BertForPreTraining (model_type "bert")                 <-> post_ln=True  (embedding LayerNorm, LN after each add)
-  - MegatronBertForPreTraining (model_type "megatron-bert") <-> post_ln=False (Megatron's pre-LN: LN before
-    attention and MLP (`attention.ln`, `ln`), a final `encoder.ln`, no embedding LayerNorm; HF's port keeps
-    Megatron's placement, so no reordering is needed)
-Their *ForMaskedLM variants (no pooler, no SOP head) map to config.bert_no_binary_head.
+  - BERT (model_type "bert")                  <-> post_ln=True  (embedding LayerNorm, LN after each add)
+  - MegatronBERT (model_type "megatron-bert") <-> post_ln=False (Megatron's pre-LN: LN before attention and
+    MLP (`attention.ln`, `ln`), a final `encoder.ln`, no embedding LayerNorm; HF's port keeps Megatron's
+    placement, so no reordering is needed)
+Each comes in three common shapes, all accepted by from_hf:
+  - *ForPreTraining: everything (names "bert.*", the "cls.predictions" LM head, the "cls.seq_relationship" SOP head)
+  - *ForMaskedLM: no pooler, no SOP head -> config.bert_no_binary_head
+  - *Model (what sentence-transformers ship): the encoder and pooler only, named without the "bert." prefix
+A head the checkpoint lacks is built fresh with minibert's own init (one warning line names it): the
+encoder is pretrained, the head is not, until you train it.
 
-Weight map ({i}: layer index; HF names start with "bert." except the "cls." heads; [pre] / [post]: only
-that layout; LN1 / LN2: attention_layernorm / mlp_layernorm of minibert.model.TransformerLayer):
+Weight map ({i}: layer index; [pre] / [post]: only that layout; LN1 / LN2: attention_layernorm /
+mlp_layernorm of minibert.model.TransformerLayer):
 
-| minibert | HF BertForPreTraining | HF MegatronBertForPreTraining | note |
+| minibert | HF BERT | HF MegatronBERT | note |
 |---|---|---|---|
 | embedding.word_embeddings | bert.embeddings.word_embeddings | same | [padded_vocab, h] <-> [vocab, h] |
 | embedding.position_embeddings | bert.embeddings.position_embeddings | same | |
@@ -34,20 +42,22 @@ import: the model never reads them. HF ties cls.predictions.decoder to the word 
 is not stored. LayerNorm eps travels as HF's layer_norm_eps <-> config.layernorm_epsilon (HF BERT: 1e-12).
 
 Weights are read from model.safetensors (a sharded model.safetensors.index.json too) or pytorch_model.bin
-(torch.load with weights_only=True). safetensors is not a dependency: the format is small enough to read
-and write here (see read_safetensors)."""
+(torch.load with weights_only=True: a downloaded file never runs code). minibert/safetensors_format.py
+reads and writes the safetensors format itself."""
+import argparse
 import json
-import math
 import os
+import sys
 
 import torch
 
 from minibert.atomic import atomic_write_bytes
 from minibert.config import Config
-from minibert.errors import UsageError
+from minibert.errors import OneLineArgumentParser, UsageError, exit_on_usage_error
 from minibert.model import BertModel
+from minibert.safetensors_format import read_safetensors, write_safetensors  # noqa: F401  (their old home)
 
-# minibert name prefix -> (BertForPreTraining prefix, MegatronBertForPreTraining prefix); None = not in that layout
+# minibert name prefix -> (BERT prefix, MegatronBERT prefix); None = not in that layout
 TOP_LEVEL = {
     "embedding.word_embeddings": ("bert.embeddings.word_embeddings",) * 2,
     "embedding.position_embeddings": ("bert.embeddings.position_embeddings",) * 2,
@@ -67,6 +77,10 @@ PER_LAYER = {  # under layers.{i} <-> bert.encoder.layer.{i}
     "mlp.dense_h_to_4h": ("intermediate.dense",) * 2,
     "mlp.dense_4h_to_h": ("output.dense",) * 2,
 }
+# The parts a checkpoint may lack: minibert module -> (HF name prefix, what to call it in the warning)
+OPTIONAL_PARTS = {"lm_head": ("cls.predictions.", "LM head"), "pooler": ("bert.pooler.", "pooler"),
+                  "binary_head": ("cls.seq_relationship.", "sentence-order head")}
+BASE_MODEL_PREFIXES = ("embeddings.", "encoder.", "pooler.")  # a plain BertModel's names
 QKV = "self_attention.query_key_value"
 PADDED_VOCAB = ("embedding.word_embeddings.weight", "lm_head.bias")
 TIED_OR_BUFFERS = ("cls.predictions.decoder.weight", "cls.predictions.decoder.bias", "bert.embeddings.position_ids")
@@ -74,6 +88,8 @@ ARCHITECTURES = {  # post_ln -> (model_type, with binary head, without)
     True: ("bert", "BertForPreTraining", "BertForMaskedLM"),
     False: ("megatron-bert", "MegatronBertForPreTraining", "MegatronBertForMaskedLM"),
 }
+SPECIAL_TOKENS = {"unk_token": "[UNK]", "sep_token": "[SEP]", "pad_token": "[PAD]", "cls_token": "[CLS]",
+                  "mask_token": "[MASK]"}
 
 
 def hf_name(name: str, post_ln: bool) -> str:
@@ -109,9 +125,11 @@ def split_qkv(qkv, heads):
     return [grouped[:, j].reshape(h, *qkv.shape[1:]) for j in range(3)]  # 3 x [heads, d, (h)] -> [h, (h)]
 
 
-def to_hf(model: BertModel, out_dir: str) -> None:
-    """Write config.json + model.safetensors that transformers' from_pretrained loads
-    (BertForPreTraining for post-LN, MegatronBertForPreTraining for pre-LN; *ForMaskedLM without SOP head)."""
+# ---- minibert -> HF ----
+def to_hf(model: BertModel, out_dir: str, tokenizer=None) -> None:
+    """Write config.json + model.safetensors that transformers' from_pretrained loads (BertForPreTraining
+    for post-LN, MegatronBertForPreTraining for pre-LN; *ForMaskedLM without the SOP head). With a
+    tokenizer (minibert.tokenizer.BertWordPieceTokenizer), also the files AutoTokenizer reads."""
     cfg = model.config
     tensors = {}
     for name, t in model.state_dict().items():
@@ -135,19 +153,30 @@ def to_hf(model: BertModel, out_dir: str) -> None:
     }
     os.makedirs(out_dir, exist_ok=True)
     write_safetensors(os.path.join(out_dir, "model.safetensors"), tensors)
-    atomic_write_bytes(os.path.join(out_dir, "config.json"), [(json.dumps(hf_config, indent=2) + "\n").encode()])
+    _write_json(os.path.join(out_dir, "config.json"), hf_config)
+    if tokenizer is not None:
+        # one token per line, in id order, exactly the model's vocab_size rows (HF's BertTokenizer reads ids
+        # from line numbers); Megatron's [BOS]/[EOS] stay when the model was trained with them
+        tokens = [tokenizer.inv_vocab[i] for i in range(cfg.vocab_size)]
+        atomic_write_bytes(os.path.join(out_dir, "vocab.txt"), ["".join(t + "\n" for t in tokens).encode()])
+        _write_json(os.path.join(out_dir, "tokenizer_config.json"), {
+            "tokenizer_class": "BertTokenizer", "do_lower_case": tokenizer.lower_case,
+            "model_max_length": cfg.max_positions, **SPECIAL_TOKENS})
+        _write_json(os.path.join(out_dir, "special_tokens_map.json"), SPECIAL_TOKENS)
 
 
+# ---- HF -> minibert ----
 def from_hf(hf_dir: str, **overrides) -> BertModel:
-    """A BertModel (fp32) holding the weights of a HF BERT / MegatronBERT pretraining checkpoint directory
-    (save_pretrained's output). The layout comes from config.json's model_type; the binary head is kept
-    when the weights hold it (cls.seq_relationship: Google's bert-base-uncased says "BertForMaskedLM" in
-    its config yet ships the NSP head). `overrides` set Config fields, e.g. attention_backend="flash"."""
+    """A BertModel (fp32) holding the weights of a HF BERT / MegatronBERT directory (save_pretrained's
+    output): *ForPreTraining, *ForMaskedLM or a plain *Model. The layout comes from config.json's
+    model_type, the heads from the weights present: the binary head is kept when the weights hold the
+    pooler or the SOP head (Google's bert-base-uncased says "BertForMaskedLM" in its config yet ships
+    both). `overrides` set Config fields, e.g. attention_backend="flash"."""
     hf = _read_json(os.path.join(hf_dir, "config.json"))
     post_ln = {"bert": True, "megatron-bert": False}.get(hf.get("model_type"))
     if post_ln is None:
         raise UsageError(f"{hf_dir}: model_type {hf.get('model_type')!r} is not supported; convert a "
-                         "BERT (BertForPreTraining) or MegatronBERT (MegatronBertForPreTraining) checkpoint")
+                         "BERT or MegatronBERT checkpoint (model_type 'bert' or 'megatron-bert')")
     required = ("num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size",
                 "max_position_embeddings", "vocab_size")
     if any(key not in hf for key in required):
@@ -155,7 +184,8 @@ def from_hf(hf_dir: str, **overrides) -> BertModel:
     for key, wanted in (("hidden_act", "gelu"), ("type_vocab_size", 2), ("position_embedding_type", "absolute")):
         if hf.get(key, wanted) != wanted:
             raise UsageError(f"{hf_dir}/config.json: {key}={hf[key]!r}; minibert implements only {wanted!r}")
-    weights = _read_hf_weights(hf_dir)
+    weights = _canonical_names(_read_hf_weights(hf_dir))
+    has = {part: any(k.startswith(prefix) for k in weights) for part, (prefix, _) in OPTIONAL_PARTS.items()}
     config = Config(num_layers=hf["num_hidden_layers"], hidden_size=hf["hidden_size"],
                     num_attention_heads=hf["num_attention_heads"], ffn_hidden_size=hf["intermediate_size"],
                     seq_length=hf["max_position_embeddings"], max_position_embeddings=hf["max_position_embeddings"],
@@ -163,32 +193,51 @@ def from_hf(hf_dir: str, **overrides) -> BertModel:
                     init_method_std=hf.get("initializer_range", 0.02),
                     hidden_dropout=hf.get("hidden_dropout_prob", 0.1),
                     attention_dropout=hf.get("attention_probs_dropout_prob", 0.1),
-                    post_ln=post_ln, bert_no_binary_head="cls.seq_relationship.weight" not in weights)
+                    post_ln=post_ln, bert_no_binary_head=not (has["pooler"] or has["binary_head"]))
     for key, value in overrides.items():
         if not hasattr(config, key):
             raise TypeError(f"from_hf: {key!r} is not a Config field")
         setattr(config, key, value)
-    model = BertModel(config)
-    model.load_state_dict(_from_hf_state(weights, model, hf_dir))
+    with torch.random.fork_rng():  # the fresh heads' init: the same every time, the caller's RNG untouched
+        torch.manual_seed(config.seed)
+        model = BertModel(config)
+    fresh = [part for part in OPTIONAL_PARTS if getattr(model, part) is not None and not has[part]]
+    model.load_state_dict(_from_hf_state(weights, model, hf_dir, keep=fresh))
+    if fresh:
+        what = " and no ".join(f"{OPTIONAL_PARTS[p][1]} ({OPTIONAL_PARTS[p][0].rstrip('.')})" for p in fresh)
+        print(f"warning: {hf_dir} has no {what}: {' and '.join(fresh)} start from minibert's random init; "
+              "train before trusting what they predict", file=sys.stderr, flush=True)
     return model
 
 
-def _from_hf_state(weights: dict, model: BertModel, hf_dir: str) -> dict:
+def _canonical_names(weights: dict) -> dict:
+    """Every checkpoint's names as BertForPreTraining's: a plain BertModel (sentence-transformers) has no
+    "bert." prefix; Google's TF conversions call LayerNorm parameters gamma / beta."""
+    plain = not any(k.startswith("bert.") for k in weights)
+    out = {}
+    for k, v in weights.items():
+        if plain and k.startswith(BASE_MODEL_PREFIXES):
+            k = "bert." + k
+        out[k.replace("LayerNorm.gamma", "LayerNorm.weight").replace("LayerNorm.beta", "LayerNorm.bias")] = v
+    return out
+
+
+def _from_hf_state(weights: dict, model: BertModel, hf_dir: str, keep=()) -> dict:
+    """minibert's state dict from HF weights; the parts in `keep` stay as the model initialised them."""
     cfg = model.config
-    # old checkpoints (Google's TF conversions) name LayerNorm parameters gamma / beta
-    weights = {k.replace("LayerNorm.gamma", "LayerNorm.weight").replace("LayerNorm.beta", "LayerNorm.bias"): v
-               for k, v in weights.items()}
     used, state = set(), {}
 
     def take(hf_key):
         if hf_key not in weights:
-            raise UsageError(f"{hf_dir}: weight {hf_key} is missing; convert a complete BERT pretraining "
-                             "checkpoint (with its cls.predictions LM head) written by save_pretrained")
+            raise UsageError(f"{hf_dir}: weight {hf_key} is missing; convert a complete BERT checkpoint "
+                             "written by save_pretrained")
         used.add(hf_key)
         return weights[hf_key]
 
     for name, ours in model.state_dict().items():
-        if QKV in name:
+        if name.split(".")[0] in keep:
+            state[name] = ours
+        elif QKV in name:
             state[name] = fuse_qkv(*[take(k) for k in qkv_hf_names(name)], cfg.num_attention_heads)
         elif name in PADDED_VOCAB:
             theirs = take(hf_name(name, cfg.post_ln))
@@ -232,62 +281,53 @@ def _read_json(path: str) -> dict:
         raise UsageError(f"{path} is not valid JSON ({e}): re-save the model")
 
 
-# ---- safetensors: [8-byte little-endian header length N][N bytes of JSON header][raw tensor bytes] ----
-# header: {"name": {"dtype": "F32", "shape": [2, 3], "data_offsets": [begin, end]}, ..., "__metadata__": {...}},
-# offsets relative to the first byte after the header; tensors stored row-major, little-endian.
-SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-                      "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-                      "U8": torch.uint8, "BOOL": torch.bool}
+def _write_json(path: str, data: dict) -> None:
+    atomic_write_bytes(path, [(json.dumps(data, indent=2) + "\n").encode()])
 
 
-def read_safetensors(path: str) -> dict:
-    """A .safetensors file -> {name: CPU tensor}. A malformed file raises UsageError naming it."""
-    def corrupt(why):
-        return UsageError(f"{path} is not a valid safetensors file ({why}); re-save or re-download it")
-    try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except OSError as e:
-        raise UsageError(f"cannot read {path}: {e}")
-    if len(data) < 8:
-        raise corrupt("shorter than its 8-byte header length")
-    n = int.from_bytes(data[:8], "little")
-    if 8 + n > len(data):
-        raise corrupt(f"header length {n} runs past the end of the file")
-    try:
-        header = json.loads(data[8:8 + n])
-    except ValueError as e:
-        raise corrupt(f"header is not JSON: {e}")
-    body = memoryview(data)[8 + n:]
-    tensors = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        dtype = SAFETENSORS_DTYPES.get(info.get("dtype"))
-        if dtype is None:
-            raise corrupt(f"{name}: unsupported dtype {info.get('dtype')!r}")
-        begin, end = info["data_offsets"]
-        shape = info["shape"]
-        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-        if end - begin != nbytes or not 0 <= begin <= end <= len(body):
-            raise corrupt(f"{name}: data_offsets {info['data_offsets']} do not fit shape {shape}")
-        raw = bytearray(body[begin:end])  # a copy: writable and aligned for frombuffer
-        tensors[name] = torch.frombuffer(raw, dtype=dtype).reshape(shape) if nbytes else torch.empty(shape, dtype=dtype)
-    return tensors
+# ---- the command line ----
+def hf_to_checkpoint(hf_dir: str, save_dir: str) -> str:
+    """from-hf: HF_DIR -> SAVE/release/mp_rank_00/model_optim_rng.pt (+ SAVE/vocab.txt when HF_DIR has one)."""
+    from minibert.checkpoint import save_weights
+    model = from_hf(hf_dir)
+    cfg = model.config
+    tokenizer_config = os.path.join(hf_dir, "tokenizer_config.json")
+    lower = _read_json(tokenizer_config).get("do_lower_case", True) if os.path.exists(tokenizer_config) else True
+    cfg.tokenizer_type = "BertWordPieceLowerCase" if lower else "BertWordPieceCase"
+    vocab = os.path.join(hf_dir, "vocab.txt")
+    if os.path.exists(vocab):  # fill_mask and to-hf look for SAVE/vocab.txt first
+        with open(vocab, "rb") as f:
+            atomic_write_bytes(os.path.join(save_dir, "vocab.txt"), [f.read()], make_dirs=True)
+    return save_weights(save_dir, model, cfg)
 
 
-def write_safetensors(path: str, tensors: dict) -> None:
-    """{name: tensor} -> a .safetensors file, written to a temporary name and renamed (never half-written)."""
-    names = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
-    header, blobs, offset = {"__metadata__": {"format": "pt"}}, [], 0  # transformers wants format "pt"
-    for name, t in tensors.items():
-        t = t.detach().cpu().contiguous()
-        raw = t.reshape(-1).view(torch.uint8).numpy().tobytes()  # row-major bytes of any dtype
-        header[name] = {"dtype": names[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + len(raw)]}
-        blobs.append(raw)
-        offset += len(raw)
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)  # pad so the tensor data starts 8-byte aligned
-    atomic_write_bytes(path, [len(text).to_bytes(8, "little"), text, *blobs])
+def checkpoint_to_hf(load_dir: str, out_dir: str) -> None:
+    """to-hf: a minibert checkpoint directory -> OUT with config, weights and tokenizer files."""
+    from minibert.fill_mask import load_checkpoint_model, tokenizer_for_checkpoint
+    model, cfg = load_checkpoint_model(load_dir)
+    to_hf(model, out_dir, tokenizer=tokenizer_for_checkpoint(load_dir, cfg))
 
 
+@exit_on_usage_error
+def main(argv=None):
+    parser = OneLineArgumentParser(prog="python -m minibert.convert", description=__doc__.split("\n\n")[0],
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+    to = commands.add_parser("to-hf", help="a minibert checkpoint -> a HuggingFace model folder")
+    to.add_argument("--load", required=True, help="checkpoint directory (train.py --save, or from-hf --save)")
+    to.add_argument("--output", required=True, help="folder for config.json, model.safetensors, vocab.txt, ...")
+    back = commands.add_parser("from-hf", help="a HuggingFace BERT folder -> minibert released weights")
+    back.add_argument("hf_dir", help="a folder written by save_pretrained (config.json + weights)")
+    back.add_argument("--save", required=True, help="checkpoint directory to write (release/ + tracker)")
+    args = parser.parse_args(argv)
+    if args.command == "to-hf":
+        checkpoint_to_hf(args.load, args.output)
+        print(f"wrote {args.output}: config.json, model.safetensors, vocab.txt, tokenizer_config.json, "
+              "special_tokens_map.json")
+    else:
+        path = hf_to_checkpoint(args.hf_dir, args.save)
+        print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

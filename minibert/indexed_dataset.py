@@ -12,7 +12,7 @@ A corpus of D documents, each a list of sequences (sentences, or one whole docum
 
 so sequence i is `bin[pointers[i] : pointers[i] + lengths[i] * itemsize]` and reading it is one slice
 of a memory-mapped file: nothing is loaded until it is used, which is how Megatron trains on corpora
-far larger than RAM. The byte layout (FORMATS.md) is Megatron-LM's, byte for byte, so files written
+far larger than RAM. The byte layout (docs/formats.md) is Megatron-LM's, byte for byte, so files written
 here train in Megatron and files Megatron wrote load here.
 
 The .idx header (34 bytes, little-endian, packed):

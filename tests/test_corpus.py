@@ -13,7 +13,7 @@ from minibert.errors import UsageError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# Chapter 2's generator, verbatim but for the output path (reference/001: "创建小型语料文件").
+# The Megatron course's chapter-2 generator, verbatim but for the output path (its step "创建小型语料文件").
 COURSE_SNIPPET = """
 import json, random
 random.seed(42)

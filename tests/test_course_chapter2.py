@@ -1,4 +1,4 @@
-"""The Megatron course's chapter 2 ("training BERT on one GPU", shared/reference/001), replayed on CPU.
+"""The Megatron course's chapter 2 ("training a BERT model on one GPU"; chapters/00-setup.md), replayed on CPU.
 
 The learner's path, through the command line as the course types it: write the course's synthetic
 sample.txt, preprocess it with --split-sentences, then launch the course's training command with

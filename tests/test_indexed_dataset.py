@@ -1,5 +1,5 @@
 """minibert.indexed_dataset against megatron-core 0.16.1's IndexedDataset/IndexedDatasetBuilder (the
-oracle), the worked example of FORMATS.md written out by hand, and every way a pair can be broken."""
+oracle), the worked example of docs/formats.md written out by hand, and every way a pair can be broken."""
 import os
 import pickle
 import struct
@@ -64,7 +64,7 @@ def test_worked_example_of_formats_md_byte_for_byte(tmp_path):
     builder.add_document([101, 7592, 2088], [2, 1])
     builder.add_document([1037, 1038, 1039], [3])
     builder.finalize(prefix + ".idx")
-    # FORMATS.md's table, field by field
+    # the table of docs/formats.md, field by field
     expected_idx = (b"MMIDIDX\x00\x00" + struct.pack("<Q", 1) + struct.pack("<B", 8)
                     + struct.pack("<QQ", 3, 3) + struct.pack("<3i", 2, 1, 3)
                     + struct.pack("<3q", 0, 4, 6) + struct.pack("<3q", 0, 2, 3))

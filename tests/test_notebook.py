@@ -150,6 +150,18 @@ def test_checkpoint_written_and_reloads_to_the_same_logits(executed):
     assert state["same_logits"] is True
 
 
+def test_the_live_loss_plot_is_a_figure(executed):
+    """matplotlib is in notebooks/requirements.txt, so the training cell draws a real figure (updated in
+    place through one display handle), not the text bars of the fallback."""
+    pytest.importorskip("matplotlib", reason="matplotlib is in notebooks/requirements.txt: install it")
+    nb, _, _, _ = executed
+    (train_cell,) = [cell for cell in nb.cells if cell.cell_type == "code" and "class LiveLossPlot" in cell.source]
+    images = [output for output in train_cell.outputs
+              if output.get("output_type") in ("display_data", "execute_result") and "image/png" in output.get("data", {})]
+    assert len(images) == 1, [output.get("output_type") for output in train_cell.outputs]
+    assert "[plot]" not in cell_text(train_cell), "the text fallback ran although matplotlib is installed"
+
+
 def test_fill_mask_prints_five_predictions(executed):
     nb, state, _, _ = executed
     assert len(state["predictions"]) == 5
