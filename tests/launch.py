@@ -85,3 +85,18 @@ def assert_close_runs(reference, other, tags=("lm loss", "sop loss", "grad-norm"
             assert difference <= rel, f"{tag} at iteration {step}: {a} vs {b} (relative {difference:.2e})"
             worst = max(worst, difference)
     return worst
+
+
+RUNS = {}  # launches shared between tests of a session: name -> (CompletedProcess, TensorBoard scalars)
+
+
+def layout_run(data, tmp_path_factory, name, nproc, *extra):
+    """The layout configuration (tests/conftest.py layout_args) with `extra` flags on `nproc` processes,
+    run once per session and shared by the tests that name it."""
+    from tests.conftest import layout_args
+    if name not in RUNS:
+        tb = tmp_path_factory.mktemp(name) / "tb"
+        result = run(nproc, layout_args(data, tb, *extra))
+        assert result.returncode == 0, result.stderr[-3000:]
+        RUNS[name] = (result, tensorboard_scalars(tb))
+    return RUNS[name]

@@ -15,16 +15,11 @@ from tests import launch
 from tests.conftest import layout_args
 
 ROOT = launch.ROOT
-RUNS = {}  # launches shared between tests: name -> (CompletedProcess, TensorBoard scalars)
+RUNS = launch.RUNS
 
 
 def dp_run(data, tmp_path_factory, name, nproc, *extra):
-    if name not in RUNS:
-        tb = tmp_path_factory.mktemp(name) / "tb"
-        result = launch.run(nproc, layout_args(data, tb, *extra))
-        assert result.returncode == 0, result.stderr[-3000:]
-        RUNS[name] = (result, launch.tensorboard_scalars(tb))
-    return RUNS[name]
+    return launch.layout_run(data, tmp_path_factory, name, nproc, *extra)
 
 
 def optimizer_bytes(stdout) -> int:

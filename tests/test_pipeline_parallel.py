@@ -1,0 +1,91 @@
+"""Pipeline parallelism through `torchrun minibert/train.py` on CPU (gloo, fp32, dropout off, 8 iterations):
+PP 2 and PP 4 with 1F1B and AFAB, interleaved PP 2 with 2 virtual stages, TP 2 x PP 2, DP 2 x PP 2 and
+TP 2 x PP 2 x DP 2 (8 processes) give the single-process losses and grad norms (relative 1e-5); runs
+with dropout, stopped and resumed, log the unbroken runs' lines; checkpoints are mp_rank_TT_PPP with
+full-model names; --pipeline-trace prints each rank's sends and receives; bad splits exit 2."""
+import os
+
+import pytest
+import torch
+
+from minibert import checkpoint
+from tests import launch
+from tests.conftest import layout_args
+
+LAYOUTS = {
+    "pp2-1f1b": (2, ["--pipeline-model-parallel-size", 2]),
+    "pp2-afab": (2, ["--pipeline-model-parallel-size", 2, "--pipeline-schedule", "afab"]),
+    "pp4-1f1b": (4, ["--pipeline-model-parallel-size", 4]),
+    "pp4-afab": (4, ["--pipeline-model-parallel-size", 4, "--pipeline-schedule", "afab"]),
+    "pp2-interleaved": (2, ["--pipeline-model-parallel-size", 2, "--num-layers-per-virtual-pipeline-stage", 1]),
+    "tp2-pp2": (4, ["--pipeline-model-parallel-size", 2, "--tensor-model-parallel-size", 2, "--sequence-parallel"]),
+    "dp2-pp2": (4, ["--pipeline-model-parallel-size", 2, "--use-distributed-optimizer"]),
+    "tp2-pp2-dp2": (8, ["--pipeline-model-parallel-size", 2, "--tensor-model-parallel-size", 2,
+                        "--num-layers-per-virtual-pipeline-stage", 1, "--use-distributed-optimizer",
+                        "--overlap-grad-reduce"]),
+}
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_pipeline_equals_one_process(tiny_data, tmp_path_factory, layout_reference, name):
+    nproc, flags = LAYOUTS[name]
+    result, scalars = launch.layout_run(tiny_data, tmp_path_factory, name, nproc, *flags)
+    worst = launch.assert_close_runs(layout_reference["scalars"], scalars)
+    print(f"{name}: worst relative difference {worst:.2e}")
+    lines = launch.comparable_lines(result.stdout)
+    assert len([line for line in lines if line.startswith("iteration ")]) == 8  # one rank prints
+    assert len([line for line in lines if line.startswith("validation")]) == 4  # evaluation through the stages
+
+
+@pytest.mark.parametrize("nproc,flags", [
+    (2, ["--pipeline-model-parallel-size", 2]),
+    (4, ["--pipeline-model-parallel-size", 2, "--tensor-model-parallel-size", 2]),
+], ids=["pp2", "tp2-pp2"])
+def test_stopped_and_resumed_with_dropout_logs_the_unbroken_run(tiny_data, tmp_path, nproc, flags):
+    dropout = ["--hidden-dropout", 0.1, "--attention-dropout", 0.1, *flags]
+    unbroken = launch.run(nproc, layout_args(tiny_data, tmp_path / "tb0", *dropout))
+    first = launch.run(nproc, layout_args(tiny_data, tmp_path / "tb1", *dropout, "--save", tmp_path / "ckpt",
+                                          "--exit-interval", 4))
+    second = launch.run(nproc, layout_args(tiny_data, tmp_path / "tb2", *dropout, "--load", tmp_path / "ckpt"))
+    for result in (unbroken, first, second):
+        assert result.returncode == 0, result.stderr[-3000:]
+    assert launch.comparable_lines(first.stdout) + launch.comparable_lines(second.stdout) == \
+        launch.comparable_lines(unbroken.stdout)
+    tp = nproc // 2
+    iteration_dir = tmp_path / "ckpt" / "iter_0000004"
+    assert sorted(os.listdir(iteration_dir)) == [f"mp_rank_{t:02d}_{p:03d}" for t in range(tp) for p in range(2)]
+    first_stage = torch.load(checkpoint.checkpoint_path(str(tmp_path / "ckpt"), 4, 0, 0, 2), weights_only=True)
+    last_stage = torch.load(checkpoint.checkpoint_path(str(tmp_path / "ckpt"), 4, 0, 1, 2), weights_only=True)
+    assert {k.split(".")[1] for k in first_stage["model"] if k.startswith("layers.")} == {"0", "1"}
+    assert {k.split(".")[1] for k in last_stage["model"] if k.startswith("layers.")} == {"2", "3"}
+    name = "embedding.word_embeddings.weight"  # the tied table and its copy on the last stage: in step
+    assert torch.equal(first_stage["model"][name], last_stage["model"][name])
+
+
+def test_pipeline_trace_prints_each_send_and_receive(tiny_data, tmp_path):
+    result = launch.run(2, layout_args(tiny_data, tmp_path / "tb", "--pipeline-model-parallel-size", 2,
+                                       "--train-iters", 1, "--lr-warmup-iters", 0, "--eval-iters", 0,
+                                       "--pipeline-trace"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    sends = [line for line in result.stdout.splitlines() if line.startswith("[pipeline rank 0] send")]
+    receives = [line for line in result.stdout.splitlines() if line.startswith("[pipeline rank 1] recv")]
+    assert len(sends) == len(receives) == 8  # one step: 8 micro-batches' activations, stage 0 -> 1
+    assert sends[0] == "[pipeline rank 0] send activation of micro-batch 0 for stage 1 to pipeline rank 1"
+
+
+@pytest.mark.parametrize("nproc,flags,message", [
+    (2, ["--pipeline-model-parallel-size", 2, "--num-layers", 3], "3 layers cannot be split evenly over 2"),
+    (2, ["--pipeline-model-parallel-size", 2, "--num-layers-per-virtual-pipeline-stage", 1,
+         "--global-batch-size", 6], "a multiple of --pipeline-model-parallel-size 2"),
+], ids=["layers", "interleaved-micro-batches"])
+def test_bad_pipeline_layouts_exit_2_on_every_rank(tiny_data, tmp_path, nproc, flags, message):
+    result = launch.run(nproc, layout_args(tiny_data, tmp_path / "tb", *flags), timeout=120)
+    errors = launch.error_lines(result.stderr)
+    assert result.returncode != 0 and len(errors) == nproc and all(message in e for e in errors), errors
+
+
+def test_uneven_split_puts_the_given_layers_on_the_first_stage(tiny_data, tmp_path_factory, layout_reference):
+    """--decoder-first-pipeline-num-layers 1 on 2 stages: layer 0 on stage 0, layers 1..3 on stage 1."""
+    result, scalars = launch.layout_run(tiny_data, tmp_path_factory, "pp2-uneven", 2,
+                                        "--pipeline-model-parallel-size", 2, "--decoder-first-pipeline-num-layers", 1)
+    launch.assert_close_runs(layout_reference["scalars"], scalars)

@@ -1,0 +1,87 @@
+"""Tensor parallelism on CPU (gloo): every layer against nn.Linear / nn.Embedding / F.cross_entropy at TP 2
+and 4 (tests/distributed/check_tp_layers.py), the layout-invariant init, the collectives per layer, and the
+whole model through `torchrun minibert/train.py`: TP 2, TP 4, TP 2 with sequence parallelism, TP 2 x DP 2
+give the single-process losses and grad norms (relative 1e-5); a TP 2 run with dropout, stopped and
+resumed, logs the unbroken run's lines; bad layouts exit 2 on every rank before any collective."""
+import os
+import re
+import subprocess
+
+import pytest
+
+from tests import launch
+from tests.conftest import layout_args
+
+ROOT = launch.ROOT
+LAYOUTS = {
+    "tp2": (2, ["--tensor-model-parallel-size", 2]),
+    "tp4": (4, ["--tensor-model-parallel-size", 4]),
+    "tp2-sp": (2, ["--tensor-model-parallel-size", 2, "--sequence-parallel"]),
+    "tp2-dp2": (4, ["--tensor-model-parallel-size", 2, "--use-distributed-optimizer"]),
+}
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_tensor_parallel_equals_one_process(tiny_data, tmp_path_factory, layout_reference, name):
+    nproc, flags = LAYOUTS[name]
+    result, scalars = launch.layout_run(tiny_data, tmp_path_factory, name, nproc, *flags)
+    worst = launch.assert_close_runs(layout_reference["scalars"], scalars)
+    print(f"{name}: worst relative difference {worst:.2e}")
+    assert len([line for line in result.stdout.splitlines() if line.startswith("iteration ")]) == 8
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_layers_init_and_collectives(tp):
+    script = os.path.join(ROOT, "tests", "distributed", "check_tp_layers.py")
+    command = launch.torchrun_command(tp, [])[:-1] + [script]
+    result = subprocess.run(command, capture_output=True, text=True, env=launch.env(), cwd=ROOT, timeout=180)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    out = result.stdout
+    for check in ("column/row-parallel linear ok", "gather_output and input_is_parallel=False ok",
+                  "vocab-parallel embedding and cross entropy ok", "layout-invariant init ok"):
+        assert out.count(check) == tp, check
+    # Megatron's communication per transformer layer: 2 all-reduces forward and 2 backward; with sequence
+    # parallelism 2 all-gathers + 2 reduce-scatters forward, and in the backward 4 all-gathers (2 of them
+    # re-gather the inputs instead of keeping them) + 2 reduce-scatters
+    assert out.count("collectives sp=False forward [('all_reduce', 2)] backward [('all_reduce', 2)]") == tp
+    assert out.count("collectives sp=True forward [('all_gather_single', 2), ('reduce_scatter_single', 2)] "
+                     "backward [('all_gather_single', 4), ('reduce_scatter_single', 2)]") == tp
+    worst = max(float(e) for e in re.findall(r"worst relative error ([\d.e+-]+)", out))
+    assert worst <= 1e-6
+    print(f"TP {tp}: worst norm-wise relative error of the layers {worst:.2e}")
+
+
+def test_stopped_and_resumed_tp2_with_dropout_logs_the_unbroken_run(tiny_data, tmp_path):
+    dropout = ["--hidden-dropout", 0.1, "--attention-dropout", 0.1, "--tensor-model-parallel-size", 2]
+    unbroken = launch.run(2, layout_args(tiny_data, tmp_path / "tb0", *dropout))
+    first = launch.run(2, layout_args(tiny_data, tmp_path / "tb1", *dropout, "--save", tmp_path / "ckpt",
+                                      "--exit-interval", 4))
+    second = launch.run(2, layout_args(tiny_data, tmp_path / "tb2", *dropout, "--load", tmp_path / "ckpt"))
+    for result in (unbroken, first, second):
+        assert result.returncode == 0, result.stderr[-3000:]
+    assert sorted(os.listdir(tmp_path / "ckpt" / "iter_0000004")) == ["mp_rank_00", "mp_rank_01"]
+    assert launch.comparable_lines(first.stdout) + launch.comparable_lines(second.stdout) == \
+        launch.comparable_lines(unbroken.stdout)
+    # another tensor-parallel size cannot load it: the message names the converter
+    other = launch.run(1, layout_args(tiny_data, tmp_path / "tb3", "--load", tmp_path / "ckpt"), timeout=120)
+    errors = launch.error_lines(other.stderr)
+    assert other.returncode == 2 and len(errors) == 1 and "python -m minibert.checkpoint convert" in errors[0]
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--tensor-model-parallel-size", 2, "--num-attention-heads", 3, "--hidden-size", 36],
+     "--num-attention-heads 3 must be divisible by --tensor-model-parallel-size 2"),
+    (["--tensor-model-parallel-size", 2, "--ffn-hidden-size", 33], "--ffn-hidden-size 33 must be divisible"),
+    (["--tensor-model-parallel-size", 3], "cannot be split into TP x PP = 3 x 1"),
+])
+def test_bad_tensor_parallel_layouts_exit_2_on_every_rank(tiny_data, tmp_path, flags, message):
+    result = launch.run(2, layout_args(tiny_data, tmp_path / "tb", *flags), timeout=120)
+    errors = launch.error_lines(result.stderr)
+    assert result.returncode != 0 and "exitcode  : 2" in result.stderr
+    assert len(errors) == 2 and all(message in e for e in errors), errors
+
+
+def test_sequence_parallel_without_tensor_parallel_warns_and_runs(tiny_data, tmp_path):
+    result = launch.run(1, layout_args(tiny_data, tmp_path / "tb", "--sequence-parallel", "--train-iters", 3))
+    assert result.returncode == 0, result.stderr
+    assert "warning: --sequence-parallel needs --tensor-model-parallel-size > 1" in result.stderr
