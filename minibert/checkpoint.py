@@ -114,7 +114,15 @@ def training_state(cfg, iteration, model, optimizer, scheduler, consumed_train_s
             "consumed_train_samples": consumed_train_samples,
             "consumed_valid_samples": consumed_valid_samples,
             "data_stream": data_stream,
+            "sharding": sharding(model),
             "args": model_args(cfg)}
+
+
+def sharding(model) -> dict:
+    """name -> [dim, count] for every tensor-parallel shard in this rank's file (the converter's map)."""
+    chunks = model if isinstance(model, (list, tuple)) else [model]
+    return {name: [p.partition_dim, p.partition_count] for chunk in chunks
+            for name, p in chunk.named_parameters() if hasattr(p, "partition_dim")}
 
 
 def save(checkpoints_dir, iteration, state, rank_state: dict, distributed_optimizer=False) -> str:
