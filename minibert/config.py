@@ -197,8 +197,6 @@ PRESETS = {  # the three sizes of Megatron's BERT example (BERT-large is its "34
 
 # Flags whose feature arrives in a later part of the course: accepted, then refused with this reason.
 NOT_SUPPORTED_YET = {
-    "recompute_activations": (lambda v: v, "activation recompute (--recompute-activations)"),
-    "recompute_granularity": (lambda v: v is not None, "activation recompute (--recompute-granularity)"),
     "exit_signal_handler": (lambda v: v, "--exit-signal-handler"),
     "profile": (lambda v: v, "--profile"),
 }
@@ -247,6 +245,11 @@ def validate(cfg: Config, world_size: int = 1, device_type: str = "cpu", warn=_w
     if cfg.data_path is not None:
         parse_data_path(cfg.data_path)
     _validate_layout(cfg, world_size, warn)
+    if cfg.recompute_granularity == "full" and cfg.recompute_method is None:
+        raise UsageError("--recompute-granularity full needs --recompute-method uniform or block "
+                         "(and --recompute-num-layers, default 1)")
+    if cfg.recompute_num_layers is not None and cfg.recompute_num_layers <= 0:
+        raise UsageError(f"--recompute-num-layers {cfg.recompute_num_layers} must be positive")
     if cfg.global_batch_size is None:
         cfg.global_batch_size = cfg.micro_batch_size * cfg.data_parallel_size
     if cfg.global_batch_size % (cfg.micro_batch_size * cfg.data_parallel_size):

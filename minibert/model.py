@@ -37,6 +37,7 @@ from collections import namedtuple
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from minibert.attention import attention, resolve_backend
 
@@ -98,6 +99,7 @@ class SelfAttention(nn.Module):
         self.dense = nn.Linear(h, h)  # row-parallel under TP; an "output projection" for the init
         self.dropout = config.attention_dropout
         self.rng_context = contextlib.nullcontext
+        self.recompute_core = config.recompute == "selective"  # keep q, k, v; redo softmax(qk^T)v in backward
 
     def forward(self, x, padding_mask, backend):
         qkv = self.query_key_value(x)  # [b, s, 3 * local heads * d] (sequence parallel: x had s / TP)
@@ -106,7 +108,12 @@ class SelfAttention(nn.Module):
         q, k, v = qkv.permute(3, 0, 2, 1, 4).unbind(0)  # 3 x [b, heads, s, d]
         dropout_p = self.dropout if self.training else 0.0
         with self.rng_context():
-            out = attention(q, k, v, padding_mask, backend=backend, dropout_p=dropout_p)  # [b, heads, s, d]
+            if self.recompute_core and torch.is_grad_enabled():
+                # checkpoint() stores the RNG state, so the recomputed dropout drops the same entries
+                out = checkpoint(attention, q, k, v, padding_mask, backend=backend, dropout_p=dropout_p,
+                                 use_reentrant=False)
+            else:
+                out = attention(q, k, v, padding_mask, backend=backend, dropout_p=dropout_p)  # [b, heads, s, d]
         out = out.transpose(1, 2).reshape(b, s, -1)  # [b, s, heads, d] -> [b, s, heads * d]
         return self.dense(out)
 
@@ -205,6 +212,12 @@ class Layers(nn.ModuleDict):
         return super().__getitem__(str(index))
 
 
+def _run_layers(layers, x, padding_mask, backend):
+    for layer in layers:
+        x = layer(x, padding_mask, backend)  # [b, s, h]
+    return x
+
+
 def lm_cross_entropy(logits, labels):
     """Per-position CE in fp32 (bf16/fp16 logits lose too much precision in the log-softmax): logits
     [n, vocab], labels [n] (-1: not a masked position) -> [n]. Tensor parallelism swaps in a vocab-parallel
@@ -257,10 +270,24 @@ class BertModel(nn.Module):
         return self.to_layers(self.embedding(tokens, types))
 
     def encode(self, x, padding_mask=None):
-        """This model's layers (and, on the last stage of pre-LN, the final LayerNorm): [b, s, h] -> [b, s, h]."""
+        """This model's layers (and, on the last stage of pre-LN, the final LayerNorm): [b, s, h] -> [b, s, h].
+
+        Full recompute (--recompute-granularity full) keeps only the input of each group of layers and
+        reruns the group's forward in the backward: uniform = groups of --recompute-num-layers layers,
+        block = the first --recompute-num-layers layers of this stage one by one, the rest stored."""
         backend = self.attention_backend(x.device)  # once per forward, shared by every layer
-        for layer in self.layers.values():
-            x = layer(x, padding_mask, backend)  # [b, s, h]
+        layers = list(self.layers.values())
+        cfg = self.config
+        if cfg.recompute == "full" and torch.is_grad_enabled():
+            k = cfg.recompute_num_layers or 1
+            groups = ([layers[i:i + k] for i in range(0, len(layers), k)] if cfg.recompute_method == "uniform"
+                      else [[layer] for layer in layers[:k]] + [layers[k:]])
+            for j, group in enumerate(groups):
+                recomputed = cfg.recompute_method == "uniform" or j < k
+                x = checkpoint(_run_layers, group, x, padding_mask, backend, use_reentrant=False) \
+                    if recomputed and group else _run_layers(group, x, padding_mask, backend)
+        else:
+            x = _run_layers(layers, x, padding_mask, backend)
         if self.post_process:
             if self.final_layernorm is not None:
                 x = self.final_layernorm(x)
