@@ -84,6 +84,17 @@ def attention(q, k, v, padding_mask=None, *, backend="local", dropout_p=0.0):
     raise ValueError(f"unresolved attention backend {backend!r}: call resolve_backend first")
 
 
+def attention_qkv(qkv, padding_mask=None, *, backend="local", dropout_p=0.0):
+    """The fused projection's output qkv [b, s, heads, 3, d] -> [b, heads, s, d]. The flash backend reads
+    and writes the packed buffer directly (kernels/flash_attention_packed.py: no copies in the backward);
+    the others take its three views."""
+    if backend == "flash":
+        from minibert.kernels.flash_attention_packed import flash_attention_qkv
+        return flash_attention_qkv(qkv, padding_mask, dropout_p=dropout_p)
+    q, k, v = qkv.permute(3, 0, 2, 1, 4).unbind(0)  # 3 x [b, heads, s, d]
+    return attention(q, k, v, padding_mask, backend=backend, dropout_p=dropout_p)
+
+
 def _plain_attention(q, k, v, padding_mask, scale, dropout_p):
     """The reference: every step a separate PyTorch op, softmax in fp32."""
     scores = torch.matmul(q, k.transpose(-2, -1)).float() * scale  # [b, heads, s, s] fp32

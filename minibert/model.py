@@ -39,7 +39,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from minibert.attention import attention, resolve_backend
+from minibert.attention import attention_qkv, resolve_backend
 
 BertOutput = namedtuple("BertOutput", ["lm_logits", "binary_logits", "hidden"])
 NUM_TOKEN_TYPES = 2  # sentence A / sentence B
@@ -104,16 +104,15 @@ class SelfAttention(nn.Module):
     def forward(self, x, padding_mask, backend):
         qkv = self.query_key_value(x)  # [b, s, 3 * local heads * d] (sequence parallel: x had s / TP)
         b, s = qkv.shape[:2]
-        qkv = qkv.view(b, s, -1, 3, self.head_dim)  # [b, s, heads, 3, d]
-        q, k, v = qkv.permute(3, 0, 2, 1, 4).unbind(0)  # 3 x [b, heads, s, d]
+        qkv = qkv.view(b, s, -1, 3, self.head_dim)  # [b, s, heads, 3, d]: q, k, v of each head side by side
         dropout_p = self.dropout if self.training else 0.0
         with self.rng_context():
             if self.recompute_core and torch.is_grad_enabled():
                 # checkpoint() stores the RNG state, so the recomputed dropout drops the same entries
-                out = checkpoint(attention, q, k, v, padding_mask, backend=backend, dropout_p=dropout_p,
+                out = checkpoint(attention_qkv, qkv, padding_mask, backend=backend, dropout_p=dropout_p,
                                  use_reentrant=False)
             else:
-                out = attention(q, k, v, padding_mask, backend=backend, dropout_p=dropout_p)  # [b, heads, s, d]
+                out = attention_qkv(qkv, padding_mask, backend=backend, dropout_p=dropout_p)  # [b, heads, s, d]
         out = out.transpose(1, 2).reshape(b, s, -1)  # [b, s, heads, d] -> [b, s, heads * d]
         return self.dense(out)
 
@@ -160,19 +159,20 @@ class TiedDecoder(nn.Module):
     """x [..., h] @ W^T + b -> logits [..., vocab_size], where W is the word-embedding table the caller
     passes in: the decoder has no weight of its own (input and output share one table, "tied").
 
-    The table has padded_vocab_size rows (Megatron pads the vocab so it splits evenly over tensor-parallel
-    ranks) but only its first vocab_size rows are multiplied, so the softmax/CE only ever covers the real
-    vocab: the padding can never change the loss, whatever its rows hold. Slicing the *weight* [vocab, h],
-    not the *logits* [tokens, vocab], keeps the logits contiguous. Tensor parallelism swaps this module for
-    a vocab-parallel one (each rank multiplies its block of rows; the cross entropy masks the padding)."""
+    The table has padded_vocab_size rows (Megatron pads the vocab to a multiple of 128 so it splits evenly
+    over tensor-parallel ranks). The matmul runs over the whole padded table, because a multiple of 128
+    columns is what the GPU's matmul kernels are fastest at (an odd width like 30524 falls back to slower
+    kernels; bench/notes-lm-head.md has the measurement), and the padded columns are then cut off as a view, so the softmax/CE only ever covers the real
+    vocab: the padding can never change the loss, whatever its rows hold. Tensor parallelism swaps this
+    module for a vocab-parallel one (each rank its block of rows; the cross entropy masks the padding)."""
 
     def __init__(self, vocab_size):
         super().__init__()
         self.vocab_size = vocab_size
 
     def forward(self, x, weight, bias):
-        v = self.vocab_size  # the real vocab: rows past it are padding
-        return F.linear(x, weight[:v], bias[:v])  # [..., h] @ [h, vocab] -> [..., vocab_size]
+        logits = F.linear(x, weight, bias)  # [..., h] @ [h, padded vocab] -> [..., padded vocab]
+        return logits[..., :self.vocab_size]  # the real vocab, a view: rows past it are padding
 
 
 class LMHead(nn.Module):
