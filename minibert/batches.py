@@ -20,6 +20,7 @@ import torch
 from minibert.config import parse_data_path
 from minibert.errors import UsageError
 from minibert.masked_lm import build_train_valid_test_datasets, open_data_prefix, split_num_samples
+from minibert.packing import make_packing, to_device, trimmed_length
 from minibert.tokenizer import DEFAULT_VOCAB_FILE, build_tokenizer
 
 BATCH_KEYS = ("text", "types", "labels", "padding_mask", "loss_mask", "is_random")
@@ -124,19 +125,40 @@ def batch_flops(cpu_batch, cfg, is_pad):
 
 
 def get_batch(data_iterator, device, cfg):
-    """The next micro-batch as device tensors, plus `is_pad` (bool [b, s], True = padding) and its model
-    FLOPs and real tokens (Python numbers). Megatron's padding_mask is 1 at real tokens and the vocab's
-    [PAD] id at padding (0 with BERT's vocab), so padding is where it is not 1 (build_datasets refuses a
-    vocab whose [PAD] is 1)."""
+    """The next micro-batch as device tensors, plus `is_pad` (bool [b, s], True = padding), its model FLOPs
+    and real tokens (Python numbers), and the indices the model and loss need, computed here on the CPU:
+    `packing` (cfg.pack_tokens: the real tokens' positions, minibert.packing; the batch is then trimmed to
+    its longest sample), `lm_rows` (--sparse-mlm: the rows of the model's flattened hidden states the LM
+    head computes) and `loss_positions` (the flat positions b * s + j the LM logits' rows belong to; None:
+    all of [b, s]). Megatron's padding_mask is 1 at real tokens and the vocab's [PAD] id at padding (0 with
+    BERT's vocab), so padding is where it is not 1 (build_datasets refuses a vocab whose [PAD] is 1)."""
     try:
         cpu_batch = next(data_iterator)
     except StopIteration:
         raise UsageError("a data split ran out of samples: keep --train-iters/--eval-iters/--eval-interval "
                          "as in the run being resumed, or start without --load") from None
     is_pad = cpu_batch["padding_mask"] != 1
+    flops, tokens = batch_flops(cpu_batch, cfg, is_pad)
+    packing = lm_rows = loss_positions = None
+    if cfg.pack_tokens:
+        s = trimmed_length(is_pad)
+        cpu_batch = {k: v[:, :s] if v.dim() == 2 else v for k, v in cpu_batch.items()}
+        is_pad = is_pad[:, :s]
+        packing = make_packing(is_pad)
+        loss_positions = packing.index  # one LM row per real token
+    if cfg.sparse_mlm:
+        loss_positions = cpu_batch["loss_mask"].reshape(-1).nonzero().squeeze(1)  # the masked positions
+        lm_rows = loss_positions
+        if packing is not None:  # flat position -> packed row
+            row_of = torch.full((is_pad.numel(),), -1, dtype=torch.int64)
+            row_of[packing.index] = torch.arange(len(packing.index))
+            lm_rows = row_of[loss_positions]
     batch = {k: cpu_batch[k].to(device, non_blocking=True) for k in BATCH_KEYS}
     batch["is_pad"] = is_pad.to(device, non_blocking=True)
-    batch["flops"], batch["tokens"] = batch_flops(cpu_batch, cfg, is_pad)
+    batch["packing"] = to_device(packing, device) if packing is not None else None
+    batch["lm_rows"] = lm_rows.to(device, non_blocking=True) if lm_rows is not None else None
+    batch["loss_positions"] = loss_positions.to(device, non_blocking=True) if loss_positions is not None else None
+    batch["flops"], batch["tokens"] = flops, tokens
     return batch
 
 

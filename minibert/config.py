@@ -43,6 +43,10 @@ class Config:
                                    choices=["auto", "local", "unfused", "fused", "flash"])
     sparse_mlm: bool = _flag(False, "send only masked positions through the LM head (faster; "
                                     "off for Megatron parity)")
+    pack_tokens: bool = _flag(True, "run each micro-batch's real tokens packed ([n, h]) through everything but "
+                                    "attention, trimmed to its longest sample (exact; off: the padded twin; "
+                                    "pipeline and sequence parallelism use the padded layout)",
+                              action=argparse.BooleanOptionalAction)
     preset: str = _flag(None, "fill the model flags of a known size (flags given explicitly win)",
                         choices=["340m", "4b", "20b"])
     # ---- activation recompute ----
@@ -287,6 +291,10 @@ def _validate_layout(cfg: Config, world_size: int, warn):
     if cfg.sequence_parallel and tp == 1:  # as Megatron: nothing to split the sequence over
         warn("--sequence-parallel needs --tensor-model-parallel-size > 1; running without it")
         cfg.sequence_parallel = False
+    if cfg.pack_tokens and (pp > 1 or cfg.sequence_parallel):
+        warn("packed micro-batches are off: pipeline and sequence parallelism need fixed [micro batch, "
+             "sequence] shapes (the padded layout runs; --no-pack-tokens silences this)")
+        cfg.pack_tokens = False
     if cfg.sequence_parallel and cfg.seq_length % tp:
         raise UsageError(f"--sequence-parallel: --seq-length {cfg.seq_length} must be divisible by "
                          f"--tensor-model-parallel-size {tp}")

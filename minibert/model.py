@@ -31,7 +31,6 @@ its full shape (init_parameters). The weights then do not depend on which parame
 or in which order: a stage holding layers 6..11, or a rank holding half of every matrix, draws exactly
 the numbers of the one-process model."""
 import contextlib
-import hashlib
 from collections import namedtuple
 
 import torch
@@ -40,6 +39,8 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from minibert.attention import attention_qkv, resolve_backend
+from minibert.init_weights import init_parameters  # noqa: F401 (BertModel's init; re-exported)
+from minibert.packing import gather_rows, scatter_rows
 
 BertOutput = namedtuple("BertOutput", ["lm_logits", "binary_logits", "hidden"])
 NUM_TOKEN_TYPES = 2  # sentence A / sentence B
@@ -101,8 +102,10 @@ class SelfAttention(nn.Module):
         self.rng_context = contextlib.nullcontext
         self.recompute_core = config.recompute == "selective"  # keep q, k, v; redo softmax(qk^T)v in backward
 
-    def forward(self, x, padding_mask, backend):
+    def forward(self, x, padding_mask, backend, packing=None):
         qkv = self.query_key_value(x)  # [b, s, 3 * local heads * d] (sequence parallel: x had s / TP)
+        if packing is not None:
+            qkv = scatter_rows(qkv, packing)  # packed [n, 3hd] -> [b, s, 3hd], zeros at padding
         b, s = qkv.shape[:2]
         qkv = qkv.view(b, s, -1, 3, self.head_dim)  # [b, s, heads, 3, d]: q, k, v of each head side by side
         dropout_p = self.dropout if self.training else 0.0
@@ -114,6 +117,8 @@ class SelfAttention(nn.Module):
             else:
                 out = attention_qkv(qkv, padding_mask, backend=backend, dropout_p=dropout_p)  # [b, heads, s, d]
         out = out.transpose(1, 2).reshape(b, s, -1)  # [b, s, heads, d] -> [b, s, heads * d]
+        if packing is not None:
+            out = gather_rows(out, packing)  # [b, s, hd] -> [n, hd]: the real tokens again
         return self.dense(out)
 
 
@@ -144,14 +149,14 @@ class TransformerLayer(nn.Module):
         self.dropout = config.hidden_dropout
         self.rng_context = contextlib.nullcontext  # sequence parallelism: each rank's own generator
 
-    def forward(self, x, padding_mask, backend):  # x [b, s, h] -> [b, s, h]
+    def forward(self, x, padding_mask, backend, packing=None):  # x [b, s, h] (packed: [n, h]) -> same
         def drop(y):
             with self.rng_context():
                 return F.dropout(y, self.dropout, self.training)
         if self.post_ln:
-            x = self.attention_layernorm(x + drop(self.self_attention(x, padding_mask, backend)))
+            x = self.attention_layernorm(x + drop(self.self_attention(x, padding_mask, backend, packing)))
             return self.mlp_layernorm(x + drop(self.mlp(x)))
-        x = x + drop(self.self_attention(self.attention_layernorm(x), padding_mask, backend))
+        x = x + drop(self.self_attention(self.attention_layernorm(x), padding_mask, backend, packing))
         return x + drop(self.mlp(self.mlp_layernorm(x)))
 
 
@@ -212,9 +217,9 @@ class Layers(nn.ModuleDict):
         return super().__getitem__(str(index))
 
 
-def _run_layers(layers, x, padding_mask, backend):
+def _run_layers(layers, x, padding_mask, backend, packing=None):
     for layer in layers:
-        x = layer(x, padding_mask, backend)  # [b, s, h]
+        x = layer(x, padding_mask, backend, packing)  # [b, s, h] or packed [n, h]
     return x
 
 
@@ -265,11 +270,13 @@ class BertModel(nn.Module):
         return resolve_backend(self.config.attention_backend, device, dtype,
                                self.config.hidden_size // self.config.num_attention_heads)
 
-    def embed(self, tokens, types=None):
-        """First stage: tokens, types [b, s] -> x [b, s, h] (sequence parallel: [b, s / TP, h])."""
-        return self.to_layers(self.embedding(tokens, types))
+    def embed(self, tokens, types=None, packing=None):
+        """First stage: tokens, types [b, s] -> x [b, s, h] (sequence parallel: [b, s / TP, h]; packed:
+        the real tokens' rows [n, h], minibert.packing)."""
+        x = self.embedding(tokens, types)
+        return self.to_layers(x if packing is None else gather_rows(x, packing))
 
-    def encode(self, x, padding_mask=None):
+    def encode(self, x, padding_mask=None, packing=None):
         """This model's layers (and, on the last stage of pre-LN, the final LayerNorm): [b, s, h] -> [b, s, h].
 
         Full recompute (--recompute-granularity full) keeps only the input of each group of layers and
@@ -284,98 +291,60 @@ class BertModel(nn.Module):
                       else [[layer] for layer in layers[:k]] + [layers[k:]])
             for j, group in enumerate(groups):
                 recomputed = cfg.recompute_method == "uniform" or j < k
-                x = checkpoint(_run_layers, group, x, padding_mask, backend, use_reentrant=False) \
-                    if recomputed and group else _run_layers(group, x, padding_mask, backend)
+                x = checkpoint(_run_layers, group, x, padding_mask, backend, packing, use_reentrant=False) \
+                    if recomputed and group else _run_layers(group, x, padding_mask, backend, packing)
         else:
-            x = _run_layers(layers, x, padding_mask, backend)
+            x = _run_layers(layers, x, padding_mask, backend, packing)
         if self.post_process:
             if self.final_layernorm is not None:
                 x = self.final_layernorm(x)
             x = self.from_layers(x)
         return x
 
-    def head(self, hidden, lm_mask=None) -> BertOutput:
-        """Last stage: hidden [b, s, h] -> BertOutput (lm logits, SOP logits, hidden)."""
+    def head(self, hidden, lm_mask=None, packing=None, lm_rows=None) -> BertOutput:
+        """Last stage: hidden [b, s, h] (packed: [n, h]) -> BertOutput (lm logits, SOP logits, hidden).
+        lm_rows: the rows of the flattened hidden states the LM head computes (the masked positions with
+        --sparse-mlm, as indices computed on the CPU); lm_mask: the same as a bool [b, s] mask."""
         binary_logits = None
         if self.binary_head is not None:
-            pooled = torch.tanh(self.pooler(hidden[:, 0]))  # [b, h]: the [CLS] position
-            binary_logits = self.binary_head(pooled)  # [b, 2]
-        if self.config.sparse_mlm and lm_mask is not None:
+            cls = hidden[:, 0] if packing is None else hidden.index_select(0, packing.cls_rows)
+            binary_logits = self.binary_head(torch.tanh(self.pooler(cls)))  # [b, h] -> [b, 2]
+        if lm_rows is not None:
+            lm_input = hidden.reshape(-1, hidden.shape[-1]).index_select(0, lm_rows)  # [rows, h]
+        elif self.config.sparse_mlm and lm_mask is not None:
             lm_input = hidden[lm_mask]  # [b, s, h] -> [n, h], only the masked positions
         else:
-            lm_input = hidden  # [b, s, h]
+            lm_input = hidden  # [b, s, h] or packed [n, h]
         lm_logits = self.lm_head(lm_input, self.embedding.word_embeddings.weight)
         return BertOutput(lm_logits, binary_logits, hidden)
 
-    def forward(self, tokens, types=None, padding_mask=None, lm_mask=None, hidden_states=None):
+    def forward(self, tokens, types=None, padding_mask=None, lm_mask=None, hidden_states=None, packing=None,
+                lm_rows=None):
         """tokens, types int64 [b, s]; padding_mask bool [b, s] (True = padding); lm_mask bool [b, s]: with
         config.sparse_mlm, only these positions go through the LM head (lm_logits [n, vocab], row-major).
-        A stage without the embedding takes the previous stage's output as hidden_states; a stage without
-        the heads returns its hidden states [b, s, h] instead of a BertOutput."""
-        x = self.embed(tokens, types) if self.pre_process else hidden_states
-        x = self.encode(x, padding_mask)
-        return self.head(x, lm_mask) if self.post_process else x
+        packing (minibert.packing): run the real tokens packed; lm_logits then has one row per real token
+        (or per lm_rows entry), hidden is [n, h]. A stage without the embedding takes the previous stage's
+        output as hidden_states; a stage without the heads returns its hidden states instead of a BertOutput."""
+        x = self.embed(tokens, types, packing) if self.pre_process else hidden_states
+        x = self.encode(x, padding_mask, packing)
+        return self.head(x, lm_mask, packing, lm_rows) if self.post_process else x
 
 
-# ---------------------------------------------------------------- init
-OUTPUT_PROJECTIONS = ("self_attention.dense.weight", "mlp.dense_4h_to_h.weight")  # add into the residual
-
-
-def name_seed(seed: int, name: str) -> int:
-    """A 63-bit seed from (--seed, parameter name), the same in every process and on every run."""
-    return int.from_bytes(hashlib.sha256(f"{seed}/{name}".encode()).digest()[:8], "little") >> 1
-
-
-def full_shape(param) -> tuple:
-    """The shape of the whole tensor this parameter is a block of (its own shape when not sharded)."""
-    return tuple(getattr(param, "full_shape", param.shape))
-
-
-def shard(full, param):
-    """This process's block of a full tensor: tensor parallelism marks a sharded parameter with
-    partition_dim / partition_index / partition_count (Megatron: tensor_model_parallel, partition_dim)."""
-    if not hasattr(param, "partition_dim"):
-        return full
-    return full.chunk(param.partition_count, param.partition_dim)[param.partition_index]
-
-
-@torch.no_grad()
-def init_parameters(model, seed):
-    """Megatron's init, drawn per parameter name: weights N(0, std); the two output projections of each
-    layer (the ones adding into the residual stream) N(0, std / sqrt(2L)) so the stream's variance does not
-    grow with depth; biases 0; LayerNorm weight 1. Each weight is drawn at its full shape from
-    torch.Generator().manual_seed(name_seed(seed, name)), then this process keeps its block (shard). The
-    word table is drawn for the real vocab and its padding rows are 0: the real rows do not depend on
-    how much padding the tensor-parallel size asks for."""
-    cfg = model.config
-    std = cfg.init_method_std
-    output_std = std / (2.0 * cfg.num_layers) ** 0.5
-    for name, param in model.named_parameters():
-        if "layernorm" in name:
-            param.fill_(1.0 if name.endswith(".weight") else 0.0)
-            continue
-        if name.endswith("bias"):
-            param.zero_()
-            continue
-        shape = full_shape(param)
-        rows = cfg.vocab_size if name == "embedding.word_embeddings.weight" else shape[0]
-        generator = torch.Generator().manual_seed(name_seed(seed, name))
-        full = torch.zeros(shape)
-        full[:rows].normal_(0.0, output_std if name.endswith(OUTPUT_PROJECTIONS) else std, generator=generator)
-        param.copy_(shard(full, param))
-
-
-def pretraining_loss(output, labels, loss_mask, is_random, sparse=False, cross_entropy=lm_cross_entropy):
+def pretraining_loss(output, labels, loss_mask, is_random, sparse=False, cross_entropy=lm_cross_entropy,
+                     positions=None):
     """-> (loss, lm_loss, sop_loss or None), all fp32 scalars whatever dtype the model ran in.
 
     lm_loss  = sum_i ce_i * loss_mask_i / max(sum_i loss_mask_i, 1)   (0, not NaN, when nothing is masked)
     sop_loss = mean_b CE(binary_logits_b, is_random_b)
     labels [b, s] (-1 where not selected), loss_mask [b, s], is_random [b]. With sparse=True the model was
     called with lm_mask = (loss_mask != 0), so lm_logits holds those positions' rows in row-major order.
-    cross_entropy(logits [n, vocab], labels [n]) -> [n]: the model's lm_cross_entropy."""
+    positions: int64 [rows], the flat positions (b * s + j) the rows of lm_logits belong to (packed or
+    sparse runs). cross_entropy(logits [n, vocab], labels [n]) -> [n]: the model's lm_cross_entropy."""
     logits = output.lm_logits
     loss_mask = loss_mask.float()
-    if sparse:
+    if positions is not None:
+        labels, loss_mask = labels.reshape(-1)[positions], loss_mask.reshape(-1)[positions]
+    elif sparse:
         selected = loss_mask != 0  # [b, s]
         labels, loss_mask = labels[selected], loss_mask[selected]  # [n]
         if logits.shape[0] != labels.shape[0]:

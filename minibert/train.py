@@ -176,13 +176,13 @@ def forward_step(batch, model, hidden_states, cfg):
     """One micro-batch through this model chunk -> (loss, metrics) on the stage with the heads: fp32
     device scalars lm loss / sop loss, and the micro-batch's model FLOPs and real tokens (host numbers,
     for the log line). Earlier pipeline stages return (hidden states, None)."""
-    lm_mask = batch["loss_mask"].bool() if cfg.sparse_mlm else None
-    output = model(batch["text"], batch["types"], padding_mask=batch["is_pad"], lm_mask=lm_mask,
-                   hidden_states=hidden_states)
+    output = model(batch["text"], batch["types"], padding_mask=batch["is_pad"], hidden_states=hidden_states,
+                   packing=batch["packing"], lm_rows=batch["lm_rows"])
     if not model.post_process:
         return output, None
     loss, lm_loss, sop_loss = pretraining_loss(output, batch["labels"], batch["loss_mask"], batch["is_random"],
-                                               sparse=cfg.sparse_mlm, cross_entropy=model.lm_cross_entropy)
+                                               cross_entropy=model.lm_cross_entropy,
+                                               positions=batch["loss_positions"])
     metrics = {"lm loss": lm_loss.detach(), "flops": batch["flops"], "tokens": batch["tokens"]}
     if sop_loss is not None:
         metrics["sop loss"] = sop_loss.detach()
