@@ -35,9 +35,11 @@ import sys
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from minibert.atomic import atomic_write
 from minibert.errors import UsageError
+from minibert.manifest import HashingWriter, verify, write_manifest
 
 CHECKPOINT_VERSION = 3.0          # Megatron's current legacy-format version number
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
@@ -86,11 +88,29 @@ def set_rng_state(state: dict):
 
 
 # ---- save ----
+def write_file(path: str, obj) -> dict:
+    """torch.save(obj) to `path` atomically; returns its manifest entry (sha256, bytes)."""
+    entry = {}
+
+    def write(f):
+        writer = HashingWriter(f)
+        torch.save(obj, writer)
+        entry.update(writer.entry())
+    atomic_write(path, write, make_dirs=True)
+    return entry
+
+
+def iteration_dir(checkpoints_dir: str, iteration) -> str:
+    return os.path.dirname(os.path.dirname(checkpoint_path(checkpoints_dir, iteration)))
+
+
 def save_checkpoint(checkpoints_dir: str, iteration: int, state: dict, *, tp_rank=0, pp_rank=0,
                     pp_size=1, write_tracker=True):
-    """Write one rank's file, then (rank 0, after every rank's file exists) the tracker."""
+    """Write one process's file, its manifest, then the tracker (one process; save() for many)."""
     path = checkpoint_path(checkpoints_dir, iteration, tp_rank, pp_rank, pp_size)
-    atomic_write(path, lambda f: torch.save(state, f), make_dirs=True)
+    entry = write_file(path, state)
+    directory = iteration_dir(checkpoints_dir, iteration)
+    write_manifest(directory, {os.path.relpath(path, directory): entry})
     if write_tracker:
         atomic_write(tracker_path(checkpoints_dir), lambda f: f.write(f"{iteration}".encode()))
     return path
@@ -129,15 +149,22 @@ def save(checkpoints_dir, iteration, state, rank_state: dict, distributed_optimi
     """Every rank calls this with its training_state: the files of the module docstring, a barrier, the
     tracker. Returns the path of this rank's model file."""
     path = checkpoint_path(checkpoints_dir, iteration, state.tp_rank, state.pp_rank, state.pp)
+    directory = iteration_dir(checkpoints_dir, iteration)
+    written = {}  # this rank's files -> manifest entries
     if distributed_optimizer:  # each DP rank's shard in its own file; the model file keeps a marker
         shard = rank_state["optimizer"]
-        atomic_write(distrib_optim_path(path, state.dp_rank), lambda f: torch.save(shard, f), make_dirs=True)
+        shard_path = distrib_optim_path(path, state.dp_rank)
+        written[os.path.relpath(shard_path, directory)] = write_file(shard_path, shard)
         rank_state = {**rank_state, "optimizer": {"distributed": True, "step": shard["step"],
                                                   "grad_scaler": shard["grad_scaler"]}}
     if state.dp_rank == 0:
-        atomic_write(path, lambda f: torch.save(rank_state, f), make_dirs=True)
-    state.barrier()  # every rank's files are in place ...
-    if state.rank == 0:  # ... before the tracker names them
+        written[os.path.relpath(path, directory)] = write_file(path, rank_state)
+    everyone = [written]
+    if state.world_size > 1:  # every rank's files are in place once this returns ...
+        everyone = [None] * state.world_size
+        dist.all_gather_object(everyone, written)
+    if state.rank == 0:  # ... then the manifest, and the tracker last
+        write_manifest(directory, {k: v for files in everyone for k, v in files.items()})
         atomic_write(tracker_path(checkpoints_dir), lambda f: f.write(f"{iteration}".encode()))
     state.barrier()
     return path
@@ -194,6 +221,8 @@ def load_checkpoint(checkpoints_dir: str, *, tp_rank=0, pp_rank=0, pp_size=1):
                              f"({', '.join(os.path.basename(o) for o in others)}): " + CONVERT_HINT)
         raise UsageError(f"{tracker_path(checkpoints_dir)} points at {path}, which does not exist: "
                          "restore that file or fix the tracker")
+    directory = iteration_dir(checkpoints_dir, iteration)
+    verify(path, directory)
     state = read_file(path)
     required = RELEASE_KEYS if iteration == RELEASE else REQUIRED_KEYS
     missing = [k for k in required if not isinstance(state, dict) or k not in state]
@@ -205,6 +234,8 @@ def load_checkpoint(checkpoints_dir: str, *, tp_rank=0, pp_rank=0, pp_size=1):
         if not shards:
             raise UsageError(f"checkpoint {path} was saved with --use-distributed-optimizer but its "
                              "distrib_optim_dp*.pt files are missing: restore them")
+        for shard in shards:
+            verify(shard, directory)
         state["optimizer"]["shards"] = [read_file(f) for f in shards]
     state["release"] = iteration == RELEASE
     return state

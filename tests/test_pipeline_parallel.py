@@ -53,7 +53,8 @@ def test_stopped_and_resumed_with_dropout_logs_the_unbroken_run(tiny_data, tmp_p
         launch.comparable_lines(unbroken.stdout)
     tp = nproc // 2
     iteration_dir = tmp_path / "ckpt" / "iter_0000004"
-    assert sorted(os.listdir(iteration_dir)) == [f"mp_rank_{t:02d}_{p:03d}" for t in range(tp) for p in range(2)]
+    assert sorted(os.listdir(iteration_dir)) == ["manifest.json"] + [f"mp_rank_{t:02d}_{p:03d}" for t in range(tp)
+                                                                     for p in range(2)]
     first_stage = torch.load(checkpoint.checkpoint_path(str(tmp_path / "ckpt"), 4, 0, 0, 2), weights_only=True)
     last_stage = torch.load(checkpoint.checkpoint_path(str(tmp_path / "ckpt"), 4, 0, 1, 2), weights_only=True)
     assert {k.split(".")[1] for k in first_stage["model"] if k.startswith("layers.")} == {"0", "1"}

@@ -59,7 +59,7 @@ def test_stopped_and_resumed_tp2_with_dropout_logs_the_unbroken_run(tiny_data, t
     second = launch.run(2, layout_args(tiny_data, tmp_path / "tb2", *dropout, "--load", tmp_path / "ckpt"))
     for result in (unbroken, first, second):
         assert result.returncode == 0, result.stderr[-3000:]
-    assert sorted(os.listdir(tmp_path / "ckpt" / "iter_0000004")) == ["mp_rank_00", "mp_rank_01"]
+    assert sorted(os.listdir(tmp_path / "ckpt" / "iter_0000004")) == ["manifest.json", "mp_rank_00", "mp_rank_01"]
     assert launch.comparable_lines(first.stdout) + launch.comparable_lines(second.stdout) == \
         launch.comparable_lines(unbroken.stdout)
     # another tensor-parallel size cannot load it: the message names the converter
