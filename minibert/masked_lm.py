@@ -226,6 +226,27 @@ def stack_samples(dataset):
     return {key: np.stack([sample[key] for sample in samples]) for key in keys}
 
 
+def sample_lengths(dataset, limit=None):
+    """Real tokens per sample ([CLS] ... [SEP] included, padding not) of the first `limit` rows (all by
+    default; the index is shuffled, so any first rows are a fair draw): int64 [rows]."""
+    rows = range(min(len(dataset), len(dataset) if limit is None else limit))
+    return np.array([np.flatnonzero(dataset[i]["padding_mask"])[-1] + 1 for i in rows], dtype=np.int64)
+
+
+def length_histogram(lengths, seq_length, bins=8, width=40):
+    """A text histogram of sample lengths over [0, seq_length], with the median and the share of full
+    samples: how much of each batch is real text rather than padding."""
+    lengths = np.asarray(lengths)
+    counts, edges = np.histogram(lengths, bins=bins, range=(0, seq_length))
+    lines = [f"{len(lengths)} samples of {seq_length} positions: median {np.median(lengths):.0f} real tokens, "
+             f"mean {lengths.mean():.0f} ({lengths.mean() / seq_length:.0%} of the batch is text), "
+             f"{(lengths == seq_length).mean():.0%} full"]
+    for count, lo, hi in zip(counts, edges[:-1], edges[1:]):
+        bar = "#" * int(round(width * count / max(counts.max(), 1)))
+        lines.append(f"  {lo:4.0f}-{hi:4.0f} {count:7d} {bar}")
+    return "\n".join(lines)
+
+
 def show_sample(i, sample, tokenizer):
     """Sample i decoded: the tokens as the model sees them, then each labelled position as
     position:original (kept) or position:original->shown ([MASK] or a random token)."""
