@@ -217,13 +217,13 @@ def build_train_valid_test_datasets(data_prefix, tokenizer, *, split, num_sample
 
 
 def stack_samples(dataset):
-    """All rows of a dataset as {key: int64 [rows, seq_length] (is_random, truncated: [rows])}."""
+    """All rows of a dataset as {key: int64 [rows, seq_length] (scalars such as is_random: [rows])}."""
     samples = [dataset[i] for i in range(len(dataset))]
     keys = ("text", "types", "labels", "is_random", "padding_mask", "loss_mask", "truncated")
     if not samples:
         return {key: np.zeros((0, dataset.seq_length) if key not in ("is_random", "truncated") else 0,
                               dtype=np.int64) for key in keys}
-    return {key: np.stack([sample[key] for sample in samples]) for key in keys}
+    return {key: np.stack([sample[key] for sample in samples]) for key in samples[0]}  # + dataset_id
 
 
 def sample_lengths(dataset, limit=None):
@@ -256,8 +256,9 @@ def show_sample(i, sample, tokenizer):
     for p in np.flatnonzero(sample["loss_mask"]).tolist():
         original = tokenizer.convert_ids_to_tokens([sample["labels"][p]])[0]
         labelled.append(f"{p}:{original}" if tokens[p] == original else f"{p}:{original}->{tokens[p]}")
+    source = f", dataset_id={int(sample['dataset_id'])}" if "dataset_id" in sample else ""  # a blend's
     return "\n".join([f"sample {i}: {n} tokens, is_random={int(sample['is_random'])}, "
-                      f"truncated={int(sample['truncated'])}",
+                      f"truncated={int(sample['truncated'])}{source}",
                       "  " + " ".join(tokens), "  labels: " + " ".join(labelled)])
 
 
@@ -271,11 +272,13 @@ def _save_npz(path, arrays):
 
 @exit_on_usage_error
 def main(argv=None):
+    from minibert.blended_dataset import build_blended_train_valid_test_datasets, parse_data_path
     from minibert.tokenizer import build_tokenizer  # tokenizer is only needed by the CLI
     parser = OneLineArgumentParser(
         prog="python -m minibert.masked_lm",
         description="Build Megatron-exact BERT samples (the train split) and show or save them.")
-    parser.add_argument("--data-path", required=True, help="prefix of the .bin/.idx pair")
+    parser.add_argument("--data-path", required=True, nargs="+", metavar="[WEIGHT] PREFIX",
+                        help="prefix of the .bin/.idx pair, or a blend: weights and prefixes alternating")
     parser.add_argument("--vocab-file", default=None, help="vocab.txt (default: the bundled bert-base-uncased)")
     parser.add_argument("--tokenizer-type", default="BertWordPieceLowerCase")
     parser.add_argument("--seq-length", type=int, required=True)
@@ -288,20 +291,29 @@ def main(argv=None):
     parser.add_argument("--short-seq-prob", type=float, default=0.1, help="BERT's 10%% of shorter samples")
     parser.add_argument("--data-cache-path", default=None, help="keep sample indices here (default: rebuild)")
     parser.add_argument("--show", type=int, default=0, metavar="N", help="print the first N samples decoded")
+    parser.add_argument("--lengths", action="store_true", help="print how many real tokens the samples hold")
     parser.add_argument("--save-npz", default=None, metavar="F", help="write all rows to F (.npz)")
     args = parser.parse_args(argv)
 
+    prefixes, weights = parse_data_path(args.data_path)
     tokenizer = build_tokenizer(args.tokenizer_type, args.vocab_file)
-    train, _, _ = build_train_valid_test_datasets(
-        args.data_path, tokenizer, split=args.split, num_samples=(args.num_samples, 0, 0),
-        seq_length=args.seq_length, seed=args.seed, binary_head=not args.bert_no_binary_head,
-        masked_lm_prob=args.mask_prob, short_seq_prob=args.short_seq_prob, cache_dir=args.data_cache_path)
+    train, _, _ = build_blended_train_valid_test_datasets(
+        args.data_path, tokenizer, args.split, (args.num_samples, 0, 0), args.seq_length, args.seed,
+        not args.bert_no_binary_head, args.mask_prob, args.short_seq_prob, cache_dir=args.data_cache_path)
     if train is None:
         raise UsageError(f"--split {args.split} gives the train split weight 0: there is nothing to build")
-    print(f"train split: {len(train)} samples of {args.seq_length} tokens "
-          f"(asked for {args.num_samples}; whole epochs are kept)")
+    if weights is None:
+        print(f"train split: {len(train)} samples of {args.seq_length} tokens "
+              f"(asked for {args.num_samples}; whole epochs are kept)")
+    else:
+        taken = np.bincount(train.dataset_index, minlength=len(prefixes))
+        shares = ", ".join(f"{n} from {p} ({w:.3g})" for n, p, w in zip(taken, prefixes, train.weights))
+        print(f"train split: a blend of {len(train)} samples of {args.seq_length} tokens "
+              f"(asked for {args.num_samples}): {shares}")
     for i in range(min(args.show, len(train))):
         print(show_sample(i, train[i], tokenizer))
+    if args.lengths:
+        print(length_histogram(sample_lengths(train), args.seq_length))
     if args.save_npz:
         _save_npz(args.save_npz, stack_samples(train))
         print(f"wrote {args.save_npz}")
