@@ -76,8 +76,12 @@ class IndexedDataset:
         for path in (self.idx_path, self.bin_path):
             if not os.path.isfile(path):
                 raise _missing_file_error(path, path_prefix)
-        self._read_index()
-        self._map_tokens()
+        try:
+            self._read_index()
+            self._map_tokens()
+        except OSError as e:  # unreadable (permissions, I/O error), or gone while we opened it
+            raise UsageError(f"cannot read {e.filename or path_prefix}: {e.strerror}: check the files "
+                             "and their permissions") from None
 
     def _read_index(self):
         size = os.path.getsize(self.idx_path)

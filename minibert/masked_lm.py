@@ -55,6 +55,9 @@ class BertMaskedLMDataset:
         if not 0 <= short_seq_prob <= 1:
             raise UsageError(f"--short-seq-prob {short_seq_prob} must be between 0 and 1 (BERT uses 0.1)")
         check_seed(seed)
+        if not np.issubdtype(indexed_dataset.dtype, np.integer):
+            raise UsageError(f"{indexed_dataset.path_prefix}.bin holds {np.dtype(indexed_dataset.dtype)} "
+                             "values, not token ids: pass a pair written by minibert/preprocess.py")
         self.sentences = indexed_dataset
         self.seq_length, self.seed, self.binary_head = seq_length, seed, binary_head
         self.masked_lm_prob = masked_lm_prob
@@ -118,8 +121,9 @@ class BertMaskedLMDataset:
 
         Worked example: [CLS] the un ##aff ##able cat [SEP] -> words [1] [2 3 4] [5]; a 2-gram from the
         second word covers positions 2 3 4 5. n_mask = min(0.15 * target, max(1, round(0.15 * n)))."""
-        if tokens.max() >= len(self.is_subword):
-            raise UsageError(f"token id {tokens.max()} is not in the vocab ({len(self.is_subword)} ids): the "
+        if tokens.max() >= len(self.is_subword) or tokens.min() < 0:
+            bad = tokens.max() if tokens.max() >= len(self.is_subword) else tokens.min()
+            raise UsageError(f"token id {bad} is not in the vocab ({len(self.is_subword)} ids): the "
                              "data was tokenized with another vocab; pass that --vocab-file")
         # Words: positions other than [CLS]/[SEP]; a "##" piece joins the word before it (even across a
         # [SEP]), except at the very first candidate, which always starts a word.

@@ -91,6 +91,10 @@ class DocumentEncoder:
         except json.JSONDecodeError as e:
             raise UsageError(f"{where} is not JSON ({e.msg}, column {e.colno}): a .json/.jsonl input "
                              "needs one JSON object per line (use a .txt name for plain text)") from None
+        except (ValueError, RecursionError) as e:  # a 5000-digit number; arrays nested 1000 deep
+            why = "nested too deeply" if isinstance(e, RecursionError) else str(e).split(";")[0]
+            raise UsageError(f"{where} is JSON that Python cannot read ({why}): give each line a JSON "
+                             "object with the text as a string") from None
         texts = []
         for key in self.json_keys:
             if not isinstance(record, dict) or key not in record:
