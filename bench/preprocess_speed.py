@@ -14,13 +14,17 @@ written --copies times over (20: 22 MB), or on --corpus FILE:
     It runs in a fresh process per thread count N with RAYON_NUM_THREADS=N (its thread pool reads that
     once, at start), so "N threads" is exactly N.
 Printed per N: docs/s, MB/s and the speed-up over N = 1 for both, and minibert's speed-up once its
-fixed start-up (tokenizer load, worker processes: timed on a one-line input) is taken out. With a copied
+fixed start-up (tokenizer load, worker processes: timed on a one-line input) is taken out; and, from one
+more run, the CPU seconds of the main process and of the workers: the main process's share is what
+would limit the speed-up on more cores (it must stay small), and it can be read on a busy machine, where
+wall times cannot. With a copied
 corpus every worker meets the same words, so each warms its own word cache: a cost a real corpus pays
 too (its frequent words), counted here."""
 import argparse
 import json
 import os
 import platform
+import resource
 import subprocess
 import sys
 import tempfile
@@ -63,6 +67,14 @@ def best_seconds(fn, repeats):
         fn()
         times.append(time.perf_counter() - start)
     return min(times)
+
+
+def cpu_seconds(fn):
+    """(CPU seconds of this process, of its finished child processes) during fn(): where the work went."""
+    before = [resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
+    fn()
+    after = [resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
+    return [a.ru_utime + a.ru_stime - b.ru_utime - b.ru_stime for a, b in zip(after, before)]
 
 
 def hf_seconds(corpus, threads, repeats):
@@ -108,6 +120,7 @@ def run(workers=(1, 2), repeats=3, corpus=None, copies=20):
                     preprocess(corpus, os.path.join(tmp, "out"), build_tokenizer("BertWordPieceLowerCase"),
                                split_sentences=split, workers=n, progress=False)
                 seconds[n] = best_seconds(ours, repeats)
+                main_cpu, workers_cpu = cpu_seconds(ours)
                 base = workers[0]
                 speedup = seconds[base] / seconds[n]
                 steady = (seconds[base] - startup[base]) / max(seconds[n] - startup[n], 1e-9)
@@ -117,7 +130,8 @@ def run(workers=(1, 2), repeats=3, corpus=None, copies=20):
                     value=n_docs / seconds[n], unit="docs/s",
                     notes=f"{n_bytes / 1e6 / seconds[n]:.2f} MB/s; {speedup:.2f}x its {base}-worker speed "
                           f"({steady:.2f}x without start-up); {peer[n] / seconds[n]:.2f}x the peer at "
-                          f"{n} thread{'s' if n > 1 else ''}"))
+                          f"{n} thread{'s' if n > 1 else ''}; CPU s: main {main_cpu:.2f}, workers "
+                          f"{workers_cpu:.2f}"))
                 print(f"  {rows[-1]['name']}: {rows[-1]['value']:,.0f} docs/s ({rows[-1]['notes']})", flush=True)
     return rows
 

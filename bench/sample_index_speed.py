@@ -14,6 +14,7 @@ instead. Each build asks for 1 sample (one epoch: all of the corpus's rows), sho
 Timed, best of --repeats, the two contenders alternating: wall time and this process's CPU time (the
 CPU time is steadier when other programs share the machine). The rows are checked to be equal first.
 --plain also times minibert's readable twin (plain_sample_index), once: tens of seconds at 20M.
+--stages times each step of minibert's build (CPU, best of --repeats; the synthetic corpus's layout).
 """
 import argparse
 import os
@@ -64,6 +65,43 @@ def timed(fn, clock):
     return clock() - start, result
 
 
+def stages(bounds, sizes, seq_length, short_seq_prob, seed, min_sentences, repeats):
+    """CPU seconds of each step of build_sample_index (best of `repeats`): where the time goes."""
+    from minibert import sample_walk
+    from minibert.fisher_yates import shuffled_order, swap_targets
+    from minibert.sample_index import short_seq_ratio
+    max_seq = seq_length - 3
+    cum = np.zeros(len(sizes) + 1, dtype=np.int32)
+    np.cumsum(sizes, out=cum[1:], dtype=np.int32)
+    first, last = bounds[:-1], bounds[1:]
+    usable = (last - first >= min_sentences) & (  # (no long-sentence documents in the synthetic corpus)
+        np.add.reduceat(np.concatenate([sizes > 512, [False]]), first) == 0)
+    first, last = first[usable], last[usable]
+    epochs = sample_walk.Epochs(cum, first, last, max_seq, min_sentences, seed, short_seq_ratio(short_seq_prob))
+
+    def detours():
+        epochs.draws = sample_walk.short_draws(seed, short_seq_ratio(short_seq_prob), max_seq)
+        epochs.pending, epochs.shift = next(epochs.draws), 0
+        return epochs._detours()
+
+    replaced, rows = detours()
+    targets = np.full(len(epochs.starts), max_seq, dtype=np.int64)
+    columns = sample_walk.assemble((epochs.starts, epochs.ends, targets), replaced, rows)
+    draws = swap_targets(len(columns[0]), seed)
+    order = shuffled_order(draws)
+    steps = [("canonical rows (lockstep)", lambda: sample_walk.canonical_rows(cum, first, last, max_seq,
+                                                                            min_sentences)),
+             (f"detours (Python, {len(replaced):,} of them)", detours),
+             ("assembly", lambda: sample_walk.assemble((epochs.starts, epochs.ends, targets), replaced, rows)),
+             ("mt19937_64 draws", lambda: swap_targets(len(columns[0]), seed)),
+             ("Fisher-Yates order", lambda: shuffled_order(draws)),
+             ("gather the shuffled rows", lambda: [column[order] for column in columns])]
+    out = []
+    for name, fn in steps:
+        out.append((name, min(timed(fn, time.process_time)[0] for _ in range(repeats))))
+    return out
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sentences", type=int, default=20_000_000, help="synthetic corpus size")
@@ -72,6 +110,7 @@ def main():
     parser.add_argument("--short-seq-prob", type=float, default=0.1)
     parser.add_argument("--repeats", type=int, default=3, help="best of this many builds each")
     parser.add_argument("--plain", action="store_true", help="also time plain_sample_index (slow)")
+    parser.add_argument("--stages", action="store_true", help="also time each step of minibert's build")
     args = parser.parse_args()
 
     if args.data_path:
@@ -120,6 +159,10 @@ def main():
                 seed=seed, min_sentences=min_sentences), time.perf_counter)
             assert np.array_equal(rows, reference)
             print(f"|   plain_sample_index | | | {seconds:.2f} (wall, once) | {seconds / tw:.0f}x |", flush=True)
+        if args.stages:
+            for name, seconds in stages(bounds, sizes, seq_length, args.short_seq_prob, seed, min_sentences,
+                                        args.repeats):
+                print(f"|   {name} | | | {seconds:.3f} (CPU) | |", flush=True)
 
 
 if __name__ == "__main__":
