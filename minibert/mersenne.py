@@ -27,6 +27,7 @@ word on its way out:
       x[k + n] = x[k] ^ F[k - m] ^ F[k]
 
   so each step makes 311 words from words already made, in 9 array operations.
+
 Checked against the C++ standard: the 10000th word of a default-constructed engine (seed 5489) is
 4123659995 for mt19937 and 9981545732273789042 for mt19937_64 ([rand.predef] in the standard).
 """
