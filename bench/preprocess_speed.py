@@ -1,19 +1,31 @@
-"""Preprocess throughput: minibert's preprocess next to HF tokenizers' encode_batch, same text, this CPU.
+"""Preprocess throughput and its scaling with --workers: minibert's preprocess next to HF tokenizers'
+encode_batch at the same parallelism, on the same text, on this machine.
 
-    python bench/preprocess_speed.py [--workers 1 2] [--repeats 3] [--corpus FILE]
+    python bench/preprocess_speed.py [--workers 1 2] [--repeats 3] [--copies 20] [--corpus FILE]
+    python bench/preprocess_speed.py --workers 1 2 4 8 --copies 100     # a 16-core machine
 
-What is timed, best of --repeats, on the default corpus (minibert.corpus, real English, ~1 MB):
+What is timed, best of --repeats, on the default corpus (minibert.corpus, real English, 1.1 MB)
+written --copies times over (20: 22 MB), or on --corpus FILE:
   - minibert: the whole `preprocess()` (read, UTF-8/JSON checks, sentence split, WordPiece, write
     .bin/.idx), with and without --split-sentences, at each --workers (pool start-up included), with a
     fresh tokenizer each time (its word cache starts cold, as in a real run);
   - peer: `tokenizers.BertWordPieceTokenizer.encode_batch(lines, add_special_tokens=False)`, the Rust
     WordPiece of HF, on the same lines already in memory: tokenization only, nothing split or written.
-    It runs once on one thread (TOKENIZERS_PARALLELISM=false) and once on all cores (its default).
-The ratio compares minibert at N workers with the peer at the same parallelism (1 thread vs 1 worker,
-all cores vs as many workers as cores). Python WordPiece against Rust: expect the peer ahead."""
+    It runs in a fresh process per thread count N with RAYON_NUM_THREADS=N (its thread pool reads that
+    once, at start), so "N threads" is exactly N.
+Printed per N: docs/s, MB/s and the speed-up over N = 1 for both, and minibert's speed-up once its
+fixed start-up (tokenizer load, worker processes: timed on a one-line input) is taken out; and, from one
+more run, the CPU seconds of the main process and of the workers: the main process's share is what
+would limit the speed-up on more cores (it must stay small), and it can be read on a busy machine, where
+wall times cannot. With a copied
+corpus every worker meets the same words, so each warms its own word cache: a cost a real corpus pays
+too (its frequent words), counted here."""
 import argparse
+import json
 import os
 import platform
+import resource
+import subprocess
 import sys
 import tempfile
 import time
@@ -21,16 +33,30 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from tokenizers import BertWordPieceTokenizer as HFBertWordPiece  # noqa: E402
-
 from minibert.preprocess import preprocess  # noqa: E402
 from minibert.tokenizer import DEFAULT_VOCAB_FILE, build_tokenizer  # noqa: E402
 
+HF_PEER = """
+import json, sys, time
+from tokenizers import BertWordPieceTokenizer
+lines = open(sys.argv[1], encoding="utf-8").read().splitlines()
+times = []
+for _ in range(int(sys.argv[3])):
+    tokenizer = BertWordPieceTokenizer(sys.argv[2], lowercase=True)
+    start = time.perf_counter()
+    tokenizer.encode_batch(lines, add_special_tokens=False)
+    times.append(time.perf_counter() - start)
+print(json.dumps(min(times)))
+"""
 
-def default_corpus(path):
-    """The corpus `make train-small` preprocesses."""
-    from minibert.corpus import write_default_corpus
-    write_default_corpus(path)
+
+def write_corpus(path, copies):
+    """The corpus `make train-small` preprocesses, `copies` times over."""
+    from minibert.corpus import default_corpus_documents
+    text = "".join(d + "\n" for d in default_corpus_documents())
+    with open(path, "w", encoding="utf-8") as f:
+        for _ in range(copies):
+            f.write(text)
     return path
 
 
@@ -43,62 +69,85 @@ def best_seconds(fn, repeats):
     return min(times)
 
 
-def run(workers=(1, 2), repeats=3, corpus=None):
-    """Rows of name, value (docs/s), unit, notes: bench/run.py's shape."""
+def cpu_seconds(fn):
+    """(CPU seconds of this process, of its finished child processes) during fn(): where the work went."""
+    before = [resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
+    fn()
+    after = [resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
+    return [a.ru_utime + a.ru_stime - b.ru_utime - b.ru_stime for a, b in zip(after, before)]
+
+
+def hf_seconds(corpus, threads, repeats):
+    """HF encode_batch on `threads` threads, in its own process (best of `repeats`)."""
+    env = dict(os.environ, RAYON_NUM_THREADS=str(threads),
+               TOKENIZERS_PARALLELISM="true" if threads > 1 else "false")
+    result = subprocess.run([sys.executable, "-c", HF_PEER, corpus, DEFAULT_VOCAB_FILE, str(repeats)],
+                            env=env, capture_output=True, text=True, check=True)
+    return json.loads(result.stdout)
+
+
+def run(workers=(1, 2), repeats=3, corpus=None, copies=20):
+    """Rows of name, value, unit, notes: bench/run.py's shape."""
     with tempfile.TemporaryDirectory() as tmp:
-        corpus = corpus or default_corpus(os.path.join(tmp, "corpus.txt"))
+        corpus = corpus or write_corpus(os.path.join(tmp, "corpus.txt"), copies)
         n_bytes = os.path.getsize(corpus)
         with open(corpus, encoding="utf-8") as f:
-            lines = f.read().splitlines()
-        n_docs = len(lines)
+            n_docs = sum(1 for _ in f)
         print(f"corpus: {corpus}: {n_docs} documents, {n_bytes / 1e6:.2f} MB", flush=True)
-
-        def hf_encode(parallel):
-            os.environ["TOKENIZERS_PARALLELISM"] = "true" if parallel else "false"
-            HFBertWordPiece(DEFAULT_VOCAB_FILE, lowercase=True).encode_batch(lines, add_special_tokens=False)
-
-        peer = {1: n_docs / best_seconds(lambda: hf_encode(False), repeats)}
-        peer["all"] = n_docs / best_seconds(lambda: hf_encode(True), repeats)
-        cores = os.cpu_count()
-        rows = [dict(name="HF tokenizers encode_batch, 1 thread", value=peer[1], unit="docs/s",
-                     notes=f"{peer[1] * n_bytes / n_docs / 1e6:.2f} MB/s")]
-        rows.append(dict(name=f"HF tokenizers encode_batch, {cores} threads", value=peer["all"],
-                         unit="docs/s", notes=f"{peer['all'] * n_bytes / n_docs / 1e6:.2f} MB/s"))
         with open(os.path.join(tmp, "one.txt"), "w") as f:
             f.write("One short document.\n")
+
+        rows, peer = [], {}
+        for n in workers:
+            peer[n] = hf_seconds(corpus, n, repeats)
+            rows.append(dict(name=f"HF tokenizers encode_batch, {n} thread{'s' if n > 1 else ''}",
+                             value=n_docs / peer[n], unit="docs/s",
+                             notes=f"{n_bytes / 1e6 / peer[n]:.2f} MB/s, {peer[workers[0]] / peer[n]:.2f}x "
+                                   f"its {workers[0]}-thread speed"))
+            print(f"  {rows[-1]['name']}: {rows[-1]['value']:,.0f} docs/s ({rows[-1]['notes']})", flush=True)
+        startup = {}
         for n in workers:  # the fixed cost inside each minibert row: tokenizer load, pool start-up
-            seconds = best_seconds(lambda: preprocess(
+            startup[n] = best_seconds(lambda: preprocess(
                 os.path.join(tmp, "one.txt"), os.path.join(tmp, "one"),
                 build_tokenizer("BertWordPieceLowerCase"), workers=n, progress=False), repeats)
             rows.append(dict(name=f"minibert start-up, {n} worker{'s' if n > 1 else ''}",
-                             value=seconds, unit="s", notes="a one-line input: the fixed cost in the "
+                             value=startup[n], unit="s", notes="a one-line input: the fixed cost in the "
                              "rows below"))
         for split in (False, True):
+            seconds = {}
             for n in workers:
                 def ours():
                     preprocess(corpus, os.path.join(tmp, "out"), build_tokenizer("BertWordPieceLowerCase"),
                                split_sentences=split, workers=n, progress=False)
-                docs_per_s = n_docs / best_seconds(ours, repeats)
-                against = peer[1] if n == 1 else peer["all"] if n == cores else None
-                ratio = f", {docs_per_s / against:.2f}x the peer at the same parallelism" if against else ""
-                rows.append(dict(name=f"minibert preprocess{' --split-sentences' if split else ''}, "
-                                      f"{n} worker{'s' if n > 1 else ''}",
-                                 value=docs_per_s, unit="docs/s",
-                                 notes=f"{docs_per_s * n_bytes / n_docs / 1e6:.2f} MB/s{ratio}"))
-                print(f"  {rows[-1]['name']}: {docs_per_s:,.0f} docs/s ({rows[-1]['notes']})", flush=True)
+                seconds[n] = best_seconds(ours, repeats)
+                main_cpu, workers_cpu = cpu_seconds(ours)
+                base = workers[0]
+                speedup = seconds[base] / seconds[n]
+                steady = (seconds[base] - startup[base]) / max(seconds[n] - startup[n], 1e-9)
+                rows.append(dict(
+                    name=f"minibert preprocess{' --split-sentences' if split else ''}, "
+                         f"{n} worker{'s' if n > 1 else ''}",
+                    value=n_docs / seconds[n], unit="docs/s",
+                    notes=f"{n_bytes / 1e6 / seconds[n]:.2f} MB/s; {speedup:.2f}x its {base}-worker speed "
+                          f"({steady:.2f}x without start-up); {peer[n] / seconds[n]:.2f}x the peer at "
+                          f"{n} thread{'s' if n > 1 else ''}; CPU s: main {main_cpu:.2f}, workers "
+                          f"{workers_cpu:.2f}"))
+                print(f"  {rows[-1]['name']}: {rows[-1]['value']:,.0f} docs/s ({rows[-1]['notes']})", flush=True)
     return rows
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="worker counts to time")
+    parser.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="worker counts to time "
+                        "(the first is the base of the speed-ups)")
     parser.add_argument("--repeats", type=int, default=3, help="best of this many runs")
+    parser.add_argument("--copies", type=int, default=20, help="the default corpus, this many times over")
     parser.add_argument("--corpus", default=None, help="a plain-text file, one document a line "
-                        "(default: minibert.corpus's default corpus)")
+                        "(instead of the copied default corpus)")
     args = parser.parse_args()
-    rows = run(args.workers, args.repeats, args.corpus)
+    rows = run(args.workers, args.repeats, args.corpus, args.copies)
     print(f"\n{platform.processor() or platform.machine()}, {os.cpu_count()} cores, Python "
-          f"{platform.python_version()}; command: python bench/preprocess_speed.py "
+          f"{platform.python_version()}; {time.strftime('%Y-%m-%d')}; command: python bench/preprocess_speed.py "
           f"{' '.join(sys.argv[1:])}".rstrip())
     print("| measurement | value | notes |\n|---|---|---|")
     for row in rows:

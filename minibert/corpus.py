@@ -24,10 +24,17 @@ fixed (topics by name, then the modules in SOURCE_MODULES order, files sorted, t
 order), so a given Python always gives the same corpus; another Python version ships other docs,
 so it gives another corpus.
 
+The long-document corpus (--long-documents) is the same prose grouped by where it comes from: one
+document per pydoc topic and one per module of SOURCE_MODULES (all its files' prose, in order), the
+sources under LONG_MIN_CHARS characters left out. CPython 3.11.7 gives 80 documents, 0.99 MB, of 929
+to 20,222 tokens (median 1,927): like Wikipedia articles, long enough that most of Megatron's seq-512
+samples are full, where the default corpus's paragraphs fill a tenth of one (tests/test_corpus.py
+measures both; `python -m minibert.masked_lm --lengths` prints the histogram).
+
 The synthetic corpus is chapter 2's generator, exactly: random.seed(42), 2000 lines of the same 8
 words repeated; its lines have no sentence punctuation, so each is a one-sentence document.
 
-    python -m minibert.corpus --output data/corpus.txt [--synthetic]
+    python -m minibert.corpus --output data/corpus.txt [--synthetic | --long-documents]
 """
 import ast
 import inspect
@@ -58,6 +65,8 @@ SOURCE_MODULES = tuple("""
 MIN_CORPUS_BYTES = 1_000_000  # a corpus big enough that a small BERT does not just memorize it
 MIN_SENTENCES = 2             # the sentence-order (SOP) task splits a document between sentences
 MIN_LETTER_FRACTION = 0.85    # prose is words; code and tables are mostly symbols
+LONG_MIN_CHARS = 4000         # ~1000 tokens: two seq-512 samples at least, so few end half empty
+LONG_MIN_CORPUS_BYTES = 900_000  # the long sources hold ~90% of the prose (CPython 3.11: 0.99 MB)
 
 SYNTHETIC_WORDS = ["the", "model", "train", "data", "gpu", "batch", "layer", "attention"]
 SYNTHETIC_SEED, SYNTHETIC_LINES = 42, 2000  # chapter 2's random.seed(42) and range(2000)
@@ -147,27 +156,53 @@ def module_files(stdlib_dir, name):
     return files
 
 
-def default_corpus_documents():
-    """Real English from this Python's docs: one string per document (no newlines), fixed order."""
+def source_texts():
+    """(source, its texts) in the corpus's fixed order: each pydoc topic by name, then each module of
+    SOURCE_MODULES with the docstrings and comment blocks of its files (sorted), in source order."""
     try:
         from pydoc_data.topics import topics
     except ImportError:
         topics = {}
-    texts = [topics[name] for name in sorted(topics)]
+    sources = [(f"topic {name}", [topics[name]]) for name in sorted(topics)]
     stdlib_dir = sysconfig.get_paths()["stdlib"]
     for name in SOURCE_MODULES:
+        texts = []
         for path in module_files(stdlib_dir, name):
             with open(path, encoding="utf-8") as f:
                 source = f.read()
             texts += docstrings(source)
             texts += comment_blocks(source)
-    documents = list(dict.fromkeys(d for text in texts for d in prose_documents(text)))  # dedupe, keep order
+        sources.append((name, texts))
+    return sources
+
+
+def _check_size(documents, minimum, what):
     size = sum(len(d.encode("utf-8")) + 1 for d in documents)
-    if size < MIN_CORPUS_BYTES:
+    if size < minimum:
         raise UsageError(f"this Python ({sys.executable}) ships only {size / 1e6:.2f} MB of documentation "
-                         f"prose (pydoc_data, stdlib sources), less than the {MIN_CORPUS_BYTES / 1e6:.0f} MB "
-                         "the default corpus needs: use a full CPython install, --synthetic, or your own corpus")
+                         f"prose (pydoc_data, stdlib sources), less than the {minimum / 1e6:.1f} MB "
+                         f"{what} needs: use a full CPython install, --synthetic, or your own corpus")
     return documents
+
+
+def default_corpus_documents():
+    """Real English from this Python's docs: one string per document (no newlines), fixed order."""
+    texts = [text for _, source in source_texts() for text in source]
+    documents = list(dict.fromkeys(d for text in texts for d in prose_documents(text)))  # dedupe, keep order
+    return _check_size(documents, MIN_CORPUS_BYTES, "the default corpus")
+
+
+def long_corpus_documents():
+    """The same prose, one document per source (a whole pydoc topic; all of one module's docstrings and
+    comments), in the same order; sources under LONG_MIN_CHARS characters are left out. Wikipedia-like
+    lengths: most of a source's BERT samples fill --seq-length 512."""
+    seen, documents = set(), []
+    for _, texts in source_texts():
+        runs = [run for text in texts for run in prose_documents(text) if not (run in seen or seen.add(run))]
+        document = " ".join(runs)  # each run is one line already: the source's prose, one line
+        if len(document) >= LONG_MIN_CHARS:
+            documents.append(document)
+    return _check_size(documents, LONG_MIN_CORPUS_BYTES, "the long-document corpus")
 
 
 def synthetic_corpus_lines():
@@ -190,9 +225,9 @@ def write_text_atomically(path, text):
     atomic_write(path, lambda f: f.write(text), text=True)
 
 
-def write_default_corpus(path):
+def write_default_corpus(path, long_documents=False):
     """One document per line, newline-terminated. Returns the number of documents."""
-    documents = default_corpus_documents()
+    documents = long_corpus_documents() if long_documents else default_corpus_documents()
     write_text_atomically(path, "".join(d + "\n" for d in documents))
     return len(documents)
 
@@ -208,12 +243,16 @@ def write_synthetic_corpus(path):
 def main(argv=None):
     parser = OneLineArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--output", required=True, help="file to write, one document per line")
-    parser.add_argument("--synthetic", action="store_true", help="chapter 2's synthetic lines instead")
+    kind = parser.add_mutually_exclusive_group()
+    kind.add_argument("--synthetic", action="store_true", help="chapter 2's synthetic lines instead")
+    kind.add_argument("--long-documents", action="store_true", help="one long document per pydoc topic "
+                      "or stdlib module (seq-512 samples mostly full) instead of one per paragraph run")
     args = parser.parse_args(argv)
     if args.synthetic:
         count, what = write_synthetic_corpus(args.output), "synthetic lines"
     else:
-        count, what = write_default_corpus(args.output), "documents"
+        count = write_default_corpus(args.output, long_documents=args.long_documents)
+        what = "long documents" if args.long_documents else "documents"
     print(f"wrote {count} {what} ({os.path.getsize(args.output) / 1e6:.2f} MB) to {args.output}")
 
 

@@ -76,8 +76,12 @@ class IndexedDataset:
         for path in (self.idx_path, self.bin_path):
             if not os.path.isfile(path):
                 raise _missing_file_error(path, path_prefix)
-        self._read_index()
-        self._map_tokens()
+        try:
+            self._read_index()
+            self._map_tokens()
+        except OSError as e:  # unreadable (permissions, I/O error), or gone while we opened it
+            raise UsageError(f"cannot read {e.filename or path_prefix}: {e.strerror}: check the files "
+                             "and their permissions") from None
 
     def _read_index(self):
         size = os.path.getsize(self.idx_path)
@@ -187,10 +191,11 @@ class IndexedDatasetBuilder:
     builder.add_document(tokens_of_the_document, lengths_of_its_sentences)   # per document
     builder.finalize("out_text_sentence.idx")
 
-    Tokens go to a temporary file next to the .bin as they come; only the lengths stay in memory.
-    `finalize` writes the index and renames both files into place, so a crash never leaves a
-    half-written pair under the final names (`abort()` or leaving a `with` block by an exception
-    deletes the temporary files)."""
+    Tokens go to a temporary file next to the .bin as they come; only the lengths stay in memory
+    (as int32/int64 arrays). `add_documents` takes many documents at once, packed in arrays: what the
+    preprocessing workers send back. `finalize` writes the index and renames both files into place,
+    so a crash never leaves a half-written pair under the final names (`abort()` or leaving a `with`
+    block by an exception deletes the temporary files)."""
 
     def __init__(self, bin_path, dtype=np.uint16):
         self.bin_path = bin_path
@@ -204,8 +209,9 @@ class IndexedDatasetBuilder:
         self._tmp_bin = temporary_path(bin_path)
         self._tmp_idx = None
         self._file = open(self._tmp_bin, "wb")
-        self.sequence_lengths = []
-        self.document_indices = [0]
+        self._lengths, self._documents = [], [np.zeros(1, dtype=np.int64)]  # arrays, in order
+        self._new_lengths, self._new_documents = [], []  # one at a time, not yet in an array
+        self.num_sequences = 0
 
     def _write_tokens(self, tokens):
         values = np.asarray(tokens)
@@ -219,7 +225,8 @@ class IndexedDatasetBuilder:
 
     def add_item(self, tokens):
         """One sequence (a sentence); call `end_document()` after a document's last sentence."""
-        self.sequence_lengths.append(self._write_tokens(tokens))
+        self._new_lengths.append(self._write_tokens(tokens))
+        self.num_sequences += 1
 
     def add_document(self, tokens, lengths):
         """A whole document: its tokens back to back, and the length of each of its sequences.
@@ -227,20 +234,44 @@ class IndexedDatasetBuilder:
         n = self._write_tokens(tokens)
         if n != sum(lengths):
             raise ValueError(f"document has {n} tokens but its lengths add up to {sum(lengths)}")
-        self.sequence_lengths.extend(int(x) for x in lengths)
+        self._new_lengths.extend(int(x) for x in lengths)
+        self.num_sequences += len(lengths)
         self.end_document()
 
+    def add_documents(self, tokens, lengths, sequences_per_document):
+        """Many documents at once: all their tokens back to back, every sequence's length (int [S]),
+        and how many sequences each document has (int [D]; 0 for an empty document)."""
+        lengths = np.asarray(lengths, dtype=np.int32)
+        counts = np.asarray(sequences_per_document, dtype=np.int64)
+        n = self._write_tokens(tokens)
+        if n != lengths.sum(dtype=np.int64) or counts.sum() != len(lengths):
+            raise ValueError(f"{n} tokens, {len(lengths)} lengths adding up to {lengths.sum()}, and "
+                             f"{counts.sum()} sequences in the documents: they must agree")
+        self._flush()
+        self._lengths.append(lengths)
+        self._documents.append(self.num_sequences + np.cumsum(counts))
+        self.num_sequences += len(lengths)
+
     def end_document(self):
-        self.document_indices.append(len(self.sequence_lengths))
+        self._new_documents.append(self.num_sequences)
+
+    def _flush(self):
+        """Move what add_item / add_document collected one by one into arrays, keeping the order."""
+        if self._new_lengths:
+            self._lengths.append(np.array(self._new_lengths, dtype=np.int32))
+        if self._new_documents:
+            self._documents.append(np.array(self._new_documents, dtype=np.int64))
+        self._new_lengths, self._new_documents = [], []
 
     def finalize(self, idx_path):
         """Write the index next to the tokens, then rename both into place (.bin first)."""
         self._file.close()
-        lengths = np.asarray(self.sequence_lengths, dtype=np.int32)
+        self._flush()
+        lengths = np.concatenate(self._lengths) if self._lengths else np.zeros(0, dtype=np.int32)
         pointers = np.zeros(len(lengths), np.int64)
         np.cumsum(lengths[:-1], dtype=np.int64, out=pointers[1:])
         pointers *= self.dtype.itemsize  # byte offsets, as Megatron stores them
-        documents = np.asarray(self.document_indices, dtype=np.int64)
+        documents = np.concatenate(self._documents)
         self._tmp_idx = temporary_path(idx_path)
         with open(self._tmp_idx, "wb") as f:
             f.write(HEADER.pack(MAGIC, VERSION, CODE_OF_DTYPE[self.dtype], len(lengths), len(documents)))

@@ -55,6 +55,9 @@ class BertMaskedLMDataset:
         if not 0 <= short_seq_prob <= 1:
             raise UsageError(f"--short-seq-prob {short_seq_prob} must be between 0 and 1 (BERT uses 0.1)")
         check_seed(seed)
+        if not np.issubdtype(indexed_dataset.dtype, np.integer):
+            raise UsageError(f"{indexed_dataset.path_prefix}.bin holds {np.dtype(indexed_dataset.dtype)} "
+                             "values, not token ids: pass a pair written by minibert/preprocess.py")
         self.sentences = indexed_dataset
         self.seq_length, self.seed, self.binary_head = seq_length, seed, binary_head
         self.masked_lm_prob = masked_lm_prob
@@ -118,8 +121,9 @@ class BertMaskedLMDataset:
 
         Worked example: [CLS] the un ##aff ##able cat [SEP] -> words [1] [2 3 4] [5]; a 2-gram from the
         second word covers positions 2 3 4 5. n_mask = min(0.15 * target, max(1, round(0.15 * n)))."""
-        if tokens.max() >= len(self.is_subword):
-            raise UsageError(f"token id {tokens.max()} is not in the vocab ({len(self.is_subword)} ids): the "
+        if tokens.max() >= len(self.is_subword) or tokens.min() < 0:
+            bad = tokens.max() if tokens.max() >= len(self.is_subword) else tokens.min()
+            raise UsageError(f"token id {bad} is not in the vocab ({len(self.is_subword)} ids): the "
                              "data was tokenized with another vocab; pass that --vocab-file")
         # Words: positions other than [CLS]/[SEP]; a "##" piece joins the word before it (even across a
         # [SEP]), except at the very first candidate, which always starts a word.
@@ -217,13 +221,34 @@ def build_train_valid_test_datasets(data_prefix, tokenizer, *, split, num_sample
 
 
 def stack_samples(dataset):
-    """All rows of a dataset as {key: int64 [rows, seq_length] (is_random, truncated: [rows])}."""
+    """All rows of a dataset as {key: int64 [rows, seq_length] (scalars such as is_random: [rows])}."""
     samples = [dataset[i] for i in range(len(dataset))]
     keys = ("text", "types", "labels", "is_random", "padding_mask", "loss_mask", "truncated")
     if not samples:
         return {key: np.zeros((0, dataset.seq_length) if key not in ("is_random", "truncated") else 0,
                               dtype=np.int64) for key in keys}
-    return {key: np.stack([sample[key] for sample in samples]) for key in keys}
+    return {key: np.stack([sample[key] for sample in samples]) for key in samples[0]}  # + dataset_id
+
+
+def sample_lengths(dataset, limit=None):
+    """Real tokens per sample ([CLS] ... [SEP] included, padding not) of the first `limit` rows (all by
+    default; the index is shuffled, so any first rows are a fair draw): int64 [rows]."""
+    rows = range(min(len(dataset), len(dataset) if limit is None else limit))
+    return np.array([np.flatnonzero(dataset[i]["padding_mask"])[-1] + 1 for i in rows], dtype=np.int64)
+
+
+def length_histogram(lengths, seq_length, bins=8, width=40):
+    """A text histogram of sample lengths over [0, seq_length], with the median and the share of full
+    samples: how much of each batch is real text rather than padding."""
+    lengths = np.asarray(lengths)
+    counts, edges = np.histogram(lengths, bins=bins, range=(0, seq_length))
+    lines = [f"{len(lengths)} samples of {seq_length} positions: median {np.median(lengths):.0f} real tokens, "
+             f"mean {lengths.mean():.0f} ({lengths.mean() / seq_length:.0%} of the batch is text), "
+             f"{(lengths == seq_length).mean():.0%} full"]
+    for count, lo, hi in zip(counts, edges[:-1], edges[1:]):
+        bar = "#" * int(round(width * count / max(counts.max(), 1)))
+        lines.append(f"  {lo:4.0f}-{hi:4.0f} {count:7d} {bar}")
+    return "\n".join(lines)
 
 
 def show_sample(i, sample, tokenizer):
@@ -235,8 +260,9 @@ def show_sample(i, sample, tokenizer):
     for p in np.flatnonzero(sample["loss_mask"]).tolist():
         original = tokenizer.convert_ids_to_tokens([sample["labels"][p]])[0]
         labelled.append(f"{p}:{original}" if tokens[p] == original else f"{p}:{original}->{tokens[p]}")
+    source = f", dataset_id={int(sample['dataset_id'])}" if "dataset_id" in sample else ""  # a blend's
     return "\n".join([f"sample {i}: {n} tokens, is_random={int(sample['is_random'])}, "
-                      f"truncated={int(sample['truncated'])}",
+                      f"truncated={int(sample['truncated'])}{source}",
                       "  " + " ".join(tokens), "  labels: " + " ".join(labelled)])
 
 
@@ -250,11 +276,13 @@ def _save_npz(path, arrays):
 
 @exit_on_usage_error
 def main(argv=None):
+    from minibert.blended_dataset import build_blended_train_valid_test_datasets, parse_data_path
     from minibert.tokenizer import build_tokenizer  # tokenizer is only needed by the CLI
     parser = OneLineArgumentParser(
         prog="python -m minibert.masked_lm",
         description="Build Megatron-exact BERT samples (the train split) and show or save them.")
-    parser.add_argument("--data-path", required=True, help="prefix of the .bin/.idx pair")
+    parser.add_argument("--data-path", required=True, nargs="+", metavar="[WEIGHT] PREFIX",
+                        help="prefix of the .bin/.idx pair, or a blend: weights and prefixes alternating")
     parser.add_argument("--vocab-file", default=None, help="vocab.txt (default: the bundled bert-base-uncased)")
     parser.add_argument("--tokenizer-type", default="BertWordPieceLowerCase")
     parser.add_argument("--seq-length", type=int, required=True)
@@ -267,20 +295,29 @@ def main(argv=None):
     parser.add_argument("--short-seq-prob", type=float, default=0.1, help="BERT's 10%% of shorter samples")
     parser.add_argument("--data-cache-path", default=None, help="keep sample indices here (default: rebuild)")
     parser.add_argument("--show", type=int, default=0, metavar="N", help="print the first N samples decoded")
+    parser.add_argument("--lengths", action="store_true", help="print how many real tokens the samples hold")
     parser.add_argument("--save-npz", default=None, metavar="F", help="write all rows to F (.npz)")
     args = parser.parse_args(argv)
 
+    prefixes, weights = parse_data_path(args.data_path)
     tokenizer = build_tokenizer(args.tokenizer_type, args.vocab_file)
-    train, _, _ = build_train_valid_test_datasets(
-        args.data_path, tokenizer, split=args.split, num_samples=(args.num_samples, 0, 0),
-        seq_length=args.seq_length, seed=args.seed, binary_head=not args.bert_no_binary_head,
-        masked_lm_prob=args.mask_prob, short_seq_prob=args.short_seq_prob, cache_dir=args.data_cache_path)
+    train, _, _ = build_blended_train_valid_test_datasets(
+        args.data_path, tokenizer, args.split, (args.num_samples, 0, 0), args.seq_length, args.seed,
+        not args.bert_no_binary_head, args.mask_prob, args.short_seq_prob, cache_dir=args.data_cache_path)
     if train is None:
         raise UsageError(f"--split {args.split} gives the train split weight 0: there is nothing to build")
-    print(f"train split: {len(train)} samples of {args.seq_length} tokens "
-          f"(asked for {args.num_samples}; whole epochs are kept)")
+    if weights is None:
+        print(f"train split: {len(train)} samples of {args.seq_length} tokens "
+              f"(asked for {args.num_samples}; whole epochs are kept)")
+    else:
+        taken = np.bincount(train.dataset_index, minlength=len(prefixes))
+        shares = ", ".join(f"{n} from {p} ({w:.3g})" for n, p, w in zip(taken, prefixes, train.weights))
+        print(f"train split: a blend of {len(train)} samples of {args.seq_length} tokens "
+              f"(asked for {args.num_samples}): {shares}")
     for i in range(min(args.show, len(train))):
         print(show_sample(i, train[i], tokenizer))
+    if args.lengths:
+        print(length_histogram(sample_lengths(train), args.seq_length))
     if args.save_npz:
         _save_npz(args.save_npz, stack_samples(train))
         print(f"wrote {args.save_npz}")

@@ -22,10 +22,20 @@ sentence-order task needs), else `{prefix}_{key}_document` (one sequence per doc
 document has none). No special tokens are added: the dataset adds [CLS] and [SEP] when it builds
 samples. The bytes are exactly those Megatron's tools/preprocess_data.py writes for the same tokens.
 
-Parallelism: `--workers N` tokenizes batches of lines in N processes. Batches are submitted in order
-and collected in order, at most a few per worker in flight, so the output is byte-identical for any
-N and memory stays bounded on any file size (Pool.imap, which Megatron uses, reads the whole input
-ahead of the workers).
+Parallelism: `--workers N` runs N processes. The main process reads the input in chunks of about
+CHUNK_BYTES, cut at line ends, and hands each to a worker with its first line number; the worker
+decodes, splits and tokenizes every line of it and sends back, per key, three packed arrays:
+
+    tokens   [n]     every token of the chunk's documents, back to back (the file dtype)
+    lengths  [s]     each sequence's length
+    per_doc  [d]     how many sequences each document has (0: an empty document)
+
+so the main process only appends them to the .bin/.idx (IndexedDatasetBuilder.add_documents): a few
+array operations per chunk, whatever is in it, which keeps N workers busy (Megatron's tool sends
+every document to the main process and writes it there, one at a time, and that loop is what stops
+it from scaling). Chunks are submitted and collected in order, at most a few per worker in flight,
+so the output is byte-identical for any N and memory stays bounded on any file size. With
+--workers 1 the same chunks are encoded in the main process.
 
 Departures from Megatron's tool, on purpose: plain-text input (Megatron reads JSONL only); our own
 rule-based sentence splitter instead of NLTK Punkt (no downloads; see sentence_split.py);
@@ -34,7 +44,6 @@ would append the [EOS] id it adds after vocab.txt's tokens, which BERT never tra
 --partitions / --keep-newlines / --lang. Run it as a script or with -m: worker processes are spawned
 and re-import the main module, which a script piped on stdin does not have."""
 import collections
-import itertools
 import json
 import multiprocessing
 import os
@@ -53,13 +62,13 @@ from minibert.indexed_dataset import IndexedDatasetBuilder, best_dtype  # noqa: 
 from minibert.sentence_split import split_sentences as split_into_sentences  # noqa: E402
 from minibert.tokenizer import build_tokenizer  # noqa: E402
 
-BATCH_LINES = 256  # lines per task sent to a worker: big enough to hide the IPC, small enough to balance
-IN_FLIGHT_PER_WORKER = 4  # batches queued per worker: keeps workers busy, bounds memory
+CHUNK_BYTES = 1 << 18  # input per task: ~0.05 s of work, so 8 workers share even a few MB evenly
+IN_FLIGHT_PER_WORKER = 4  # chunks queued per worker: keeps workers busy, bounds memory
 JSON_EXTENSIONS = (".json", ".jsonl")
 
 
 class DocumentEncoder:
-    """Turns one input line into, per key, (token ids of the document, length of each sequence)."""
+    """Turns a chunk of input lines into packed token arrays, per key (see __call__)."""
 
     def __init__(self, tokenizer, json_keys, jsonl, split_sentences, dtype, input_path):
         self.tokenizer, self.json_keys, self.jsonl = tokenizer, json_keys, jsonl
@@ -82,6 +91,10 @@ class DocumentEncoder:
         except json.JSONDecodeError as e:
             raise UsageError(f"{where} is not JSON ({e.msg}, column {e.colno}): a .json/.jsonl input "
                              "needs one JSON object per line (use a .txt name for plain text)") from None
+        except (ValueError, RecursionError) as e:  # a 5000-digit number; arrays nested 1000 deep
+            why = "nested too deeply" if isinstance(e, RecursionError) else str(e).split(";")[0]
+            raise UsageError(f"{where} is JSON that Python cannot read ({why}): give each line a JSON "
+                             "object with the text as a string") from None
         texts = []
         for key in self.json_keys:
             if not isinstance(record, dict) or key not in record:
@@ -94,17 +107,31 @@ class DocumentEncoder:
             texts.append(record[key])
         return texts
 
-    def encode(self, text):
-        """(tokens [n] in the file dtype, sequence lengths): empty sentences are dropped."""
+    def sentences(self, text):
+        """The document's sequences as lists of token ids; empty ones dropped."""
         pieces = split_into_sentences(text) if self.split_sentences else [text]
-        ids = [self.tokenizer.tokenize(piece) for piece in pieces]
-        ids = [sentence for sentence in ids if sentence]
-        tokens = np.fromiter(itertools.chain.from_iterable(ids), dtype=self.dtype)
-        return tokens, [len(sentence) for sentence in ids]
+        return [ids for ids in map(self.tokenizer.tokenize, pieces) if ids]
 
-    def __call__(self, batch):
-        """[(line number, byte offset, raw line)] -> [(per-key (tokens, lengths), raw byte count)]."""
-        return [([self.encode(text) for text in self.texts(*item)], len(item[2])) for item in batch]
+    def __call__(self, chunk):
+        """(first line number, byte offset, bytes of whole lines) -> per key (tokens [n] in the file
+        dtype, sequence lengths int32 [s], sequences per document int32 [d]), and d."""
+        line_number, offset, data = chunk
+        lines = data.split(b"\n")
+        last_has_newline = not lines[-1]
+        if last_has_newline:
+            lines.pop()  # the chunk's final newline ends its last line; it starts none
+        packed = [([], [], []) for _ in self.json_keys]
+        for i, raw in enumerate(lines):
+            raw_line = raw + b"\n" if i < len(lines) - 1 or last_has_newline else raw
+            for (tokens, lengths, per_doc), text in zip(packed, self.texts(line_number + i, offset, raw_line)):
+                ids = self.sentences(text)
+                for sentence in ids:
+                    tokens.extend(sentence)
+                lengths.extend(map(len, ids))
+                per_doc.append(len(ids))
+            offset += len(raw_line)
+        return [(np.array(tokens, dtype=self.dtype), np.array(lengths, dtype=np.int32),
+                 np.array(per_doc, dtype=np.int32)) for tokens, lengths, per_doc in packed], len(lines)
 
 
 _worker_encoder = None  # set once in each worker process by the pool initializer
@@ -115,29 +142,36 @@ def _init_worker(encoder):
     _worker_encoder = encoder
 
 
-def _encode_in_worker(batch):
-    return _worker_encoder(batch)
+def _encode_in_worker(chunk):
+    return _worker_encoder(chunk)
 
 
-def _line_batches(path):
-    """Batches of (line number from 1, byte offset, raw bytes) over the file, in order."""
-    batch, offset = [], 0
+def _chunks(path):
+    """(first line number, byte offset, bytes) of about CHUNK_BYTES of whole lines each, in order."""
+    line_number, offset, pieces = 1, 0, []
     with open(path, "rb") as f:
-        for number, raw in enumerate(f, start=1):  # splits after b"\n": the final newline adds no line
-            batch.append((number, offset, raw))
-            offset += len(raw)
-            if len(batch) == BATCH_LINES:
-                yield batch
-                batch = []
-    if batch:
-        yield batch
+        while True:
+            block = f.read(CHUNK_BYTES)
+            cut = block.rfind(b"\n") + 1  # whole lines only; 0: no line ends in this block
+            if block and not cut:
+                pieces.append(block)      # a line longer than a chunk: read on
+                continue
+            data = b"".join(pieces + [block[:cut] if block else b""])
+            if data:                       # at the end: the last line, if it has no newline
+                yield line_number, offset, data
+            if not block:
+                return
+            line_number += data.count(b"\n")
+            offset += len(data)
+            pieces = [block[cut:]]
 
 
-def _encoded_documents(encoder, path, workers):
-    """Every document's encoding, in input order, computed in `workers` processes."""
+def _encoded_chunks(encoder, path, workers):
+    """Every chunk's encoding (see DocumentEncoder.__call__) with its size in bytes, in input order,
+    computed in `workers` processes."""
     if workers == 1:
-        for batch in _line_batches(path):
-            yield from encoder(batch)
+        for chunk in _chunks(path):
+            yield encoder(chunk), len(chunk[2])
         return
     # spawn, not fork: workers start clean (no inherited threads or torch state), the same on every
     # OS; and unlike multiprocessing.Pool, a worker that dies (killed for memory) raises, never hangs
@@ -145,12 +179,14 @@ def _encoded_documents(encoder, path, workers):
                                initializer=_init_worker, initargs=(encoder,))
     try:
         pending = collections.deque()
-        for batch in _line_batches(path):
-            pending.append(pool.submit(_encode_in_worker, batch))
+        for chunk in _chunks(path):
+            pending.append((pool.submit(_encode_in_worker, chunk), len(chunk[2])))
             if len(pending) >= workers * IN_FLIGHT_PER_WORKER:
-                yield from pending.popleft().result()  # the oldest first: output keeps input order
+                future, size = pending.popleft()  # the oldest first: output keeps input order
+                yield future.result(), size
         while pending:
-            yield from pending.popleft().result()
+            future, size = pending.popleft()
+            yield future.result(), size
     finally:
         pool.shutdown(cancel_futures=True)
 
@@ -197,18 +233,17 @@ def preprocess(input_path, output_prefix, tokenizer, json_keys=("text",), split_
                file=sys.stderr, disable=not (progress and on_terminal), smoothing=0.1)
     docs = sequences = tokens = done_bytes = 0
     start = time.perf_counter()
-    documents = _encoded_documents(encoder, input_path, workers)
+    chunks = _encoded_chunks(encoder, input_path, workers)
     try:
         builders = [IndexedDatasetBuilder(prefix + ".bin", dtype=dtype) for prefix in prefixes]
-        for per_key, n_bytes in documents:
-            for builder, (doc_tokens, lengths) in zip(builders, per_key):
-                builder.add_document(doc_tokens, lengths)
+        for (per_key, num_docs), n_bytes in chunks:
+            for builder, (chunk_tokens, lengths, per_doc) in zip(builders, per_key):
+                builder.add_documents(chunk_tokens, lengths, per_doc)
                 sequences += len(lengths)
-                tokens += len(doc_tokens)
-            docs += 1
+                tokens += len(chunk_tokens)
+            docs += num_docs
             done_bytes += n_bytes
-            if docs % BATCH_LINES == 0:
-                _show_progress(bar, docs, done_bytes, start)
+            _show_progress(bar, docs, done_bytes, start)
         for builder, prefix in zip(builders, prefixes):
             builder.finalize(prefix + ".idx")
     except BaseException:
@@ -217,7 +252,7 @@ def preprocess(input_path, output_prefix, tokenizer, json_keys=("text",), split_
         bar.leave = False  # clear the bar, so an error is the only line left
         raise
     finally:
-        documents.close()  # stops the worker pool now, also when we stopped early on an error
+        chunks.close()  # stops the worker pool now, also when we stopped early on an error
         _show_progress(bar, docs, done_bytes, start)
         bar.close()
     seconds = time.perf_counter() - start

@@ -25,13 +25,18 @@ Whole epochs over the documents are walked until there are at least num_samples 
 epoch starts; every row is kept, so len(index) can exceed num_samples), then the rows are shuffled by
 Fisher-Yates with std::mt19937_64(seed + 1). Both generators come from minibert.mersenne.
 
+Two implementations, one result: `plain_sample_index` below is the walk written as the rule reads, one
+Python step per row (the one to read first); `build_sample_index`, the one every dataset uses, gets the
+same rows from whole-array numpy operations (minibert/sample_walk.py, minibert/fisher_yates.py), fast
+enough for corpora of tens of millions of sentences. Tests check that both give the same array.
+
 Also here: how --split cuts the documents into train/valid/test ranges (each range gets its own index, with
 the same seed and its own num_samples), and how many samples Megatron asks of each split.
 
 Caching: Megatron caches the index under PREFIX/cache/ with a key that leaves the data out, so after the data
-is rewritten it reuses a stale index. Building here took 3.0 s for 2M sentences (50M tokens, 428K rows;
-2-core CPU, 2026-11-30; Megatron's C++: 0.1 s), so minibert rebuilds by default; `cache_dir` keeps indices under a hash of the sentence lengths and document boundaries
-themselves (everything the index depends on), so a stale one can never match.
+is rewritten it reuses a stale index. `cached_sample_index` keeps indices in a directory under a hash of the
+split's sentence lengths and document boundaries themselves (everything the index depends on), so a stale
+one can never match.
 """
 import hashlib
 import os
@@ -42,11 +47,12 @@ import numpy as np
 from minibert.atomic import atomic_write
 from minibert.config import parse_split
 from minibert.errors import UsageError
-from minibert.mersenne import MT19937_64
+from minibert.fisher_yates import megatron_order
+from minibert.sample_walk import walk
 
 SPLIT_NAMES = ("train", "valid", "test")
 LONG_SENTENCE_LEN = 512  # helpers.cpp's constant: a document with a longer sentence is skipped
-_DRAW_BLOCK = 1 << 16    # how many mt19937 words to draw at a time
+_DRAW_BLOCK = 1 << 16    # how many mt19937 words plain_sample_index draws at a time
 
 
 def check_seed(seed):
@@ -93,18 +99,53 @@ def _why_no_rows(num_sentences, has_long, min_sent):
                       f"shorter sentences (minibert/preprocess.py --split-sentences){fix}")
 
 
+def _max_seq(seq_length):
+    max_seq = seq_length - 3  # room for [CLS] A [SEP] B [SEP]
+    if max_seq < 2:
+        raise UsageError(f"--seq-length {seq_length} is too short: a BERT sample needs at least 5 "
+                         "positions ([CLS] A [SEP] B [SEP])")
+    return max_seq
+
+
 def build_sample_index(document_indices, sequence_lengths, *, num_samples, seq_length, short_seq_prob,
                        seed, min_sentences):
     """Megatron's build_mapping over the documents in `document_indices` (global sentence boundaries,
     int64 [D + 1]), with `sequence_lengths` the lengths of all sentences of the file (int32 [S]).
 
     Returns np.uint32 [rows, 3] of (first sentence, end sentence, target length); rows >= num_samples.
-    Where Megatron would loop forever (an epoch that yields no row), raises UsageError instead."""
+    Where Megatron would loop forever (an epoch that yields no row), raises UsageError instead.
+    The same array as plain_sample_index, from whole-array operations (minibert/sample_walk.py)."""
     check_seed(seed)
-    max_seq = seq_length - 3  # room for [CLS] A [SEP] B [SEP]
-    if max_seq < 2:
-        raise UsageError(f"--seq-length {seq_length} is too short: a BERT sample needs at least 5 "
-                         "positions ([CLS] A [SEP] B [SEP])")
+    max_seq = _max_seq(seq_length)
+    bounds = np.asarray(document_indices, dtype=np.int64)
+    base, top = int(bounds[0]), int(bounds[-1])            # this split's sentences: [base, top)
+    sizes = np.asarray(sequence_lengths)[base:top]
+    total = int(sizes.sum(dtype=np.int64))
+    cum = np.zeros(top - base + 1, dtype=np.int32 if total + max_seq < 2**31 else np.int64)
+    np.cumsum(sizes, out=cum[1:], dtype=cum.dtype)          # tokens before local sentence i  [S + 1]
+    first, last = bounds[:-1] - base, bounds[1:] - base     # each document's local sentences  [D]
+
+    num_sentences = last - first
+    has_long = np.zeros(len(first), dtype=bool)             # a sentence over 512 tokens (rare: find them)
+    has_long[np.searchsorted(last, np.flatnonzero(sizes > LONG_SENTENCE_LEN), side="right")] = True
+    usable = (num_sentences >= min_sentences) & ~((num_sentences > 1) & has_long)
+    if num_samples > 0 and not usable.any():
+        raise _why_no_rows(num_sentences, has_long, min_sentences)
+    starts, ends, targets = walk(cum, first[usable], last[usable], num_samples=num_samples,
+                                 max_seq=max_seq, min_sentences=min_sentences, seed=seed,
+                                 ratio=short_seq_ratio(short_seq_prob))
+    order = megatron_order(len(starts), seed)              # row p of the index = walk row order[p]
+    rows = np.empty((len(starts), 3), dtype=np.uint32)
+    base = np.int64(base)                                   # (local numbers may be int32: no wrap)
+    rows[:, 0], rows[:, 1], rows[:, 2] = starts[order] + base, ends[order] + base, targets[order]
+    return rows
+
+
+def plain_sample_index(document_indices, sequence_lengths, *, num_samples, seq_length, short_seq_prob,
+                       seed, min_sentences):
+    """build_sample_index written as the rule reads: one Python step per row (the readable twin)."""
+    check_seed(seed)
+    max_seq = _max_seq(seq_length)
     bounds = np.asarray(document_indices, dtype=np.int64)
     sizes = np.asarray(sequence_lengths).astype(np.int64)  # cast before summing: no int32 overflow
     cumulative = np.concatenate([[0], np.cumsum(sizes)])   # tokens before sentence i; int64 [S + 1]
@@ -145,27 +186,21 @@ def build_sample_index(document_indices, sequence_lengths, *, num_samples, seq_l
 
 def _shuffle(rows, seed):
     """Fisher-Yates as helpers.cpp does it: for i = n-1 .. 1, swap rows i and rand64() % (i + 1)."""
-    n = len(rows)
-    if n < 2:
-        return rows.copy()  # a writable array, like the shuffled ones
-    wrapped = (seed + 1 + 2**31) % 2**32 - 2**31  # C int arithmetic: 2**31 - 1 + 1 wraps to -2**31
-    i = np.arange(n - 1, 0, -1, dtype=np.uint64)
-    j = MT19937_64(wrapped).random_raw(n - 1) % (i + np.uint64(1))
-    order = array("q", range(n))  # order[p] = the unshuffled row that ends up at position p
-    for a, b in zip(i.tolist(), j.tolist()):
-        order[a], order[b] = order[b], order[a]
-    return rows[np.frombuffer(order, dtype=np.int64)]
+    return rows[megatron_order(len(rows), seed, plain=True)]  # a new, writable array
 
 
 def cached_sample_index(cache_dir, bounds, sizes, **kwargs):
     """build_sample_index(bounds, sizes, **kwargs), kept in cache_dir (None: no cache) under a hash of all
-    it depends on: the documents' boundaries, the sentence lengths and the arguments. Written to a temporary
-    name, then renamed, so readers see all of it or nothing; ranks that build at once write equal files."""
+    it depends on: the documents' boundaries, the lengths of their sentences and the arguments. Written to
+    a temporary name, then renamed, so readers see all of it or nothing; ranks that build at once write
+    equal files."""
     if cache_dir is None:
         return build_sample_index(bounds, sizes, **kwargs)
+    bounds = np.ascontiguousarray(bounds, dtype=np.int64)
     key = hashlib.sha256(repr(sorted(kwargs.items())).encode())
-    key.update(np.ascontiguousarray(bounds, dtype=np.int64).tobytes())
-    key.update(np.ascontiguousarray(sizes, dtype=np.int64).tobytes())
+    key.update(bounds.tobytes())
+    if len(bounds):  # only this split's sentences matter (the others may change freely)
+        key.update(np.ascontiguousarray(np.asarray(sizes)[bounds[0]:bounds[-1]], dtype=np.int32))
     path = os.path.join(cache_dir, f"bert_sample_index_{key.hexdigest()[:32]}.npy")
     if os.path.isfile(path):
         return np.load(path)

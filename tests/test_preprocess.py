@@ -124,16 +124,49 @@ def test_jsonl_with_two_keys_matches_megatron(tmp_path, tokenizer):
         assert read(prefix + ".idx") == read(str(tmp_path / f"m_{key}.idx"))
 
 
-def test_two_workers_write_the_same_bytes(tmp_path, tokenizer, monkeypatch):
-    monkeypatch.setattr(preprocess_module, "BATCH_LINES", 16)  # many batches: exercise the in-flight window
-    path = write_lines(tmp_path / "c.txt", corpus_lines(400))
-    one = preprocess(path, str(tmp_path / "w1"), tokenizer, split_sentences=True, workers=1,
-                     progress=False)[0]
-    two = preprocess(path, str(tmp_path / "w2"), tokenizer, split_sentences=True, workers=2,
-                     progress=False)[0]
-    assert read(one + ".bin") == read(two + ".bin") and read(one + ".idx") == read(two + ".idx")
-    assert files_in(tmp_path) == ["c.txt", "w1_text_sentence.bin", "w1_text_sentence.idx",
-                                  "w2_text_sentence.bin", "w2_text_sentence.idx"]
+@pytest.mark.parametrize("chunk_bytes", [7, 300, 1 << 18], ids=["lines-longer-than-chunks", "small", "default"])
+def test_any_worker_count_writes_the_same_bytes(tmp_path, tokenizer, monkeypatch, chunk_bytes):
+    """1, 2 and 3 workers, chunks from a few bytes (every line longer than a chunk) to the default: the
+    same .bin/.idx, equal to Megatron's."""
+    monkeypatch.setattr(preprocess_module, "CHUNK_BYTES", chunk_bytes)
+    lines = corpus_lines(400 if chunk_bytes > 7 else 60)
+    path = write_lines(tmp_path / "c.txt", lines, final_newline=chunk_bytes != 300)
+    written = [preprocess(path, str(tmp_path / f"w{n}"), tokenizer, split_sentences=True, workers=n,
+                          progress=False)[0] for n in (1, 2, 3)]
+    megatron_reference(str(tmp_path / "m"), lines, tokenizer, split=True)
+    for prefix in written:
+        assert read(prefix + ".bin") == read(str(tmp_path / "m.bin"))
+        assert read(prefix + ".idx") == read(str(tmp_path / "m.idx"))
+    assert files_in(tmp_path) == ["c.txt", "m.bin", "m.idx"] + [f"w{n}_text_sentence.{e}" for n in (1, 2, 3)
+                                                               for e in ("bin", "idx")]
+
+
+def test_chunks_cut_at_line_ends(tmp_path, monkeypatch):
+    """The chunks cover the file exactly, each ends at a newline (the last may not), and their line
+    numbers and byte offsets are the file's."""
+    monkeypatch.setattr(preprocess_module, "CHUNK_BYTES", 5)
+    content = b"ab\n\nlonger line here\nx\n\n\nlast without newline"
+    path = tmp_path / "in.txt"
+    path.write_bytes(content)
+    chunks = list(preprocess_module._chunks(str(path)))
+    assert b"".join(data for _, _, data in chunks) == content
+    for (line, offset, data), nxt in zip(chunks, chunks[1:] + [None]):
+        assert content[offset:offset + len(data)] == data
+        assert line == content[:offset].count(b"\n") + 1
+        assert data.endswith(b"\n") or nxt is None
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_error_deep_in_a_file_names_its_line_and_byte(tmp_path, tokenizer, monkeypatch, workers):
+    """With chunks of a few hundred bytes, the bad line sits in a late chunk: the message still counts
+    lines and bytes from the start of the file, and nothing is left under the output names."""
+    monkeypatch.setattr(preprocess_module, "CHUNK_BYTES", 200)
+    good = "".join(f"Line {i} is fine. It has two sentences.\n" for i in range(300)).encode()
+    path = tmp_path / "in.txt"
+    path.write_bytes(good + b"bad \xff here\n" + good)
+    with pytest.raises(preprocess_module.UsageError, match=f"line 301 is not valid UTF-8 \\(byte {len(good) + 4} "):
+        preprocess(str(path), str(tmp_path / "out"), tokenizer, workers=workers, progress=False)
+    assert files_in(tmp_path) == ["in.txt"]
 
 
 @pytest.mark.parametrize("content, n_docs", [
