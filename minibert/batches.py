@@ -17,9 +17,9 @@ import os
 import numpy as np
 import torch
 
-from minibert.config import parse_data_path
+from minibert.blended_dataset import build_blended_train_valid_test_datasets, parse_data_path
 from minibert.errors import UsageError
-from minibert.masked_lm import build_train_valid_test_datasets, open_data_prefix, split_num_samples
+from minibert.masked_lm import open_data_prefix, split_num_samples
 from minibert.packing import make_packing, to_device, trimmed_length
 from minibert.tokenizer import DEFAULT_VOCAB_FILE, build_tokenizer
 
@@ -43,7 +43,7 @@ def cache_dir_for(cfg, state):
     if cfg.data_cache_path:
         return cfg.data_cache_path
     if state.world_size > 1:
-        return os.path.join(os.path.dirname(os.path.abspath(parse_data_path(cfg.data_path)[0][1])), "cache")
+        return os.path.join(os.path.dirname(os.path.abspath(parse_data_path(cfg.data_path)[0][0])), "cache")
     return None  # one process: building the index costs what reading it would
 
 
@@ -57,17 +57,15 @@ def build_datasets(cfg, state=None, log=print):
                          "and real tokens with 1, so padding could not be told apart; use a vocab whose [PAD] "
                          "is another id (BERT's is 0)")
     log("building train/valid/test datasets ...")
-    prefixes = [p for _, p in parse_data_path(cfg.data_path)]
-    if len(prefixes) > 1:
-        raise UsageError("--data-path with a weighted blend of several datasets is not supported yet")
+    prefixes, _ = parse_data_path(cfg.data_path)
     for prefix in prefixes:
         check_token_ids(prefix, tokenizer, cfg.vocab_file)
     num_samples = split_num_samples(cfg.train_iters, cfg.eval_interval, cfg.eval_iters, cfg.global_batch_size)
     cache_dir = cache_dir_for(cfg, state)
 
     def build():
-        return build_train_valid_test_datasets(
-            prefixes[0], tokenizer, split=cfg.split, num_samples=num_samples, seq_length=cfg.seq_length,
+        return build_blended_train_valid_test_datasets(
+            cfg.data_path, tokenizer, split=cfg.split, num_samples=num_samples, seq_length=cfg.seq_length,
             seed=cfg.seed, binary_head=cfg.binary_head, masked_lm_prob=cfg.mask_prob,
             short_seq_prob=cfg.short_seq_prob, cache_dir=cache_dir)
 
@@ -181,8 +179,9 @@ def data_stream(cfg) -> dict:
     their content (a fingerprint: the .idx's digest and the .bin's size; the vocab file's digest), so a
     moved file is fine and a rewritten one is not."""
     values = {name: getattr(cfg, name) for name in STREAM_FLAGS}
+    prefixes, weights = parse_data_path(cfg.data_path)
     values["data_path"] = [f"{w}:{file_digest(p + '.idx')}:{os.path.getsize(p + '.bin')}"
-                           for w, p in parse_data_path(cfg.data_path)]
+                           for w, p in zip(weights or [None], prefixes)]
     values["vocab_file"] = file_digest(cfg.vocab_file or DEFAULT_VOCAB_FILE)
     values["num_samples"] = {name: getattr(cfg, name) for name in NUM_SAMPLES_FLAGS}
     return values

@@ -247,6 +247,7 @@ def validate(cfg: Config, world_size: int = 1, device_type: str = "cpu", warn=_w
         raise UsageError("--lr-warmup-fraction and --lr-warmup-iters are exclusive: pick one")
     parse_split(cfg.split)
     if cfg.data_path is not None:
+        from minibert.blended_dataset import parse_data_path  # one prefix, or weights and prefixes
         parse_data_path(cfg.data_path)
     _validate_layout(cfg, world_size, warn)
     if cfg.recompute_granularity == "full" and cfg.recompute_method is None:
@@ -333,25 +334,6 @@ def _validate_for_device(cfg: Config, device_type: str, warn):
         warn(f"--num-workers {cfg.num_workers} -> 0 on the CPU: worker processes would compete with "
              "training for the cores")
     cfg.num_workers = 0
-
-
-def parse_data_path(data_path: list) -> list:
-    """--data-path P  or  --data-path W1 P1 W2 P2 ... -> [(weight, prefix), ...] (weights not normalised)."""
-    if len(data_path) == 1:
-        return [(1.0, data_path[0])]
-    form = "--data-path PREFIX, or weights and prefixes alternating: --data-path 0.3 A 0.7 B"
-    if len(data_path) % 2:
-        raise UsageError(f"--data-path {' '.join(data_path)}: an odd number of entries; use {form}")
-    pairs = []
-    for weight, prefix in zip(data_path[0::2], data_path[1::2]):
-        try:
-            w = float(weight)
-        except ValueError:
-            raise UsageError(f"--data-path: {weight!r} is not a weight; use {form}") from None
-        if not w > 0 or math.isinf(w):
-            raise UsageError(f"--data-path: weight {weight} must be a positive number; use {form}")
-        pairs.append((w, prefix))
-    return pairs
 
 
 def build_parser() -> argparse.ArgumentParser:

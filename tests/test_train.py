@@ -132,7 +132,7 @@ def test_bad_inputs_exit_2_with_one_line(data, capsys, monkeypatch, case):
     args = tiny_args(data, "--train-iters", 3)
     expect = {"prefix": "_text_sentence", "vocab": "--vocab-file", "positions": "--max-position-embeddings",
               "batch": "--global-batch-size", "warmup": "--lr-decay-iters", "world": "data-parallel size = 4 x 2",
-              "checkpoint": "model_optim_rng.pt"}
+              "checkpoint": "iter_0000003"}
     if case == "prefix":
         args[args.index("--data-path") + 1] = data["prefix"][:-len("_text_sentence")]
     elif case == "vocab":  # data tokenized with the full 30522-token vocab, trained with the small one

@@ -47,7 +47,7 @@ def poisoned_copy(source, destination):
     name = "lm_head.dense.weight"
     state["model"][name] = torch.full_like(state["model"][name], 3e38)
     state["optimizer"]["params"][name]["master"] = torch.full_like(state["optimizer"]["params"][name]["master"], 3e38)
-    torch.save(state, path)
+    checkpoint.save_checkpoint(str(destination), 2, state)  # as if training had written it (manifest too)
     return destination
 
 
