@@ -51,6 +51,7 @@ import torch
 
 from minibert import checkpoint
 from minibert.atomic import atomic_write, atomic_write_bytes
+from minibert.manifest import write_manifest
 from minibert.errors import UsageError
 from minibert.optim import _cut
 from minibert.parallel.rng import TENSOR_PARALLEL_SEED_OFFSET, TensorParallelRNG
@@ -292,12 +293,15 @@ def convert(load, save, target_tensor_parallel_size, target_pipeline_model_paral
     if tp != source.tp and source.iteration != checkpoint.RELEASE:
         warn(f"the tensor-parallel dropout generators cannot be carried from TP {source.tp} to TP {tp}: they "
              "restart from their seeds, so a resumed run repeats the unbroken run's losses only with dropout off")
-    paths = []
+    paths, entries = [], {}
+    directory = checkpoint.iteration_dir(save, source.iteration)
     for p in range(pp):
         for t in range(tp):  # one file at a time: only the full tensors and one rank's shards are in memory
             state = target_file(source, full, carried, cfg, t, p)
-            paths.append(checkpoint.save_checkpoint(save, source.iteration, state, tp_rank=t, pp_rank=p,
-                                                    pp_size=pp, write_tracker=False))
+            path = checkpoint.checkpoint_path(save, source.iteration, t, p, pp)
+            entries[os.path.relpath(path, directory)] = checkpoint.write_file(path, state)
+            paths.append(path)
+    write_manifest(directory, entries)  # before the tracker, as train.py's saves
     vocab = os.path.join(load, "vocab.txt")  # from-hf's vocabulary travels with its weights
     if os.path.isfile(vocab):
         with open(vocab, "rb") as f:
