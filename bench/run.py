@@ -16,12 +16,13 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 import triton  # noqa: E402
 
-from bench import attention_bench, softmax_bench  # noqa: E402
+from bench import attention_bench, softmax_bench, train_bench  # noqa: E402
 from minibert.atomic import atomic_write  # noqa: E402
 
 SECTIONS = [
     ("Fused scale-mask-softmax (minibert/kernels/softmax.py)", softmax_bench),
     ("Flash attention with key padding (minibert/kernels/flash_attention.py)", attention_bench),
+    ("Training throughput (bench/train_bench.py)", train_bench),
 ]
 
 

@@ -1,0 +1,471 @@
+"""Training throughput: minibert's trainer next to HF BertForPreTraining, one process, same data, bf16.
+
+Every contender trains on the same CPU batches, in the same order, for the same steps: `warm-up` steps
+(compilation, autotuning, the allocator's first sizes), then `steps` timed ones between two
+torch.cuda.synchronize() calls. Each contender gets a fresh model and a fresh peak-memory count
+(torch.cuda.max_memory_allocated, reset after the last one is freed).
+
+    minibert     build_model_and_optimizer + train_step (the trainer's path: get_batch copies a CPU batch
+                 dict shaped like the DataLoader's, packs it unless --no-pack-tokens; bf16 weights, fp32
+                 masters, AdamW (fused), grad-norm clipping and the non-finite check, Megatron's pre-LN)
+    HF eager     BertForPreTraining (sdpa attention), fp32 weights under autocast bf16, fused AdamW, as
+                 PERF.md's peer (no clipping); vocab = minibert's padded vocab, so both run the same matmuls
+    HF compiled  the same, forward through torch.compile(model) (skipped on the CPU)
+
+Sections (--sections picks them):
+    1  BERT-large s512 b32, full-length batches: every position real, cut from the default corpus's token
+       stream as [CLS] A [SEP] B [SEP] windows, 15% of the tokens masked (80% [MASK], 10% random, 10% kept;
+       token by token, not Megatron's whole-word n-grams: only the count matters for speed)
+    2  BERT-large s512 b32 on padded batches: Megatron's samples (minibert.masked_lm) from the long-document
+       corpus and from the default corpus, and synthetic lengths U[128, 512] (padding after the length);
+       minibert packed (the default), minibert padded (--no-pack-tokens), HF eager with the attention mask
+    3  BERT-base s128 b256, full-length batches (as section 1)
+    4  make train-small's model (4 layers, 128 hidden, 8 heads, s128, micro 4, global 16) on Megatron
+       samples of the default corpus: ms per train_step, fp32 as the Makefile runs it, and bf16
+
+Model FLOPs (PERF.md): F = 72 l h^2 + 12 l s h + 6 r (h V + h^2) per token, r = 1, V = the padded vocab,
+with padding only real tokens count and sum(L_i^2) replaces s^2 (minibert.training_log.model_flops: the
+same count for every contender, since they compute the same model). MFU = model FLOP/s / 790e12.
+
+    python bench/train_bench.py                      # all sections on the GPU
+    python bench/train_bench.py --quick --sections 1,2 --output train.md
+    python bench/train_bench.py --device cpu --tiny  # tiny shapes, 1 + 1 steps (tests/test_train_bench.py)
+
+The batches are built before any timing (bench/train_bench_data.py). run() returns rows {name, value,
+unit, notes} for bench/run.py (BENCHMARKS.md); bench/notes-training.md says how to read them."""
+import gc
+import os
+import platform
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+if __package__ in (None, ""):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from bench.train_bench_data import (SEED, mean_real_tokens, megatron_batches, pinned, prepare_corpus,  # noqa: E402
+                                    stream_batches)
+from minibert.batches import batch_flops, build_data_iterator, build_datasets  # noqa: E402
+from minibert.config import Config, validate  # noqa: E402
+from minibert.errors import OneLineArgumentParser, UsageError, exit_on_usage_error  # noqa: E402
+from minibert.training_log import PEAK_FLOPS  # noqa: E402
+from minibert.train import build_model_and_optimizer, train_step  # noqa: E402
+
+DATASHEET_FLOPS = 989e12  # H200 bf16 dense, the datasheet's figure (PERF.md reports both)
+STEPS = {"full": (5, 20), "quick": (3, 8), "tiny": (1, 1)}  # (warm-up, timed) steps; compile needs >= 3 warm-up
+# (layers, hidden, heads, seq, micro batch): the measured shape, and the --tiny one for the CPU test
+SHAPES = {"large": ((24, 1024, 16, 512, 32), (2, 64, 4, 64, 4)),
+          "base": ((12, 768, 12, 128, 256), (2, 48, 4, 32, 8)),
+          "small": ((4, 128, 8, 128, 4), (4, 128, 8, 128, 4))}
+SMALL_GLOBAL_BATCH = 16  # make train-small's --global-batch-size (4 micro-batches per step)
+TITLES = {1: "BERT-large s512 b32, full-length batches", 2: "BERT-large s512 b32, padded batches",
+          3: "BERT-base s128 b256, full-length batches", 4: "make train-small's model, ms per iteration"}
+
+
+@dataclass
+class Settings:
+    device: torch.device
+    tiny: bool
+    warmup: int
+    steps: int
+    corpus: str = None          # the default corpus: a .bin/.idx prefix or a text file (None: write it)
+    long_corpus: str = None     # the long-document corpus, likewise
+    work_dir: str = None
+    prefixes: dict = field(default_factory=dict)     # corpus kind -> (data prefix, note)
+    full_length: dict = field(default_factory=dict)  # contender -> real tokens/s of section 1
+
+
+@dataclass
+class Measurement:
+    seconds: float  # the timed steps, wall clock
+    steps: int
+    samples: int
+    tokens: int     # real tokens of the timed steps
+    flops: float    # their model FLOPs
+    peak_bytes: int  # None on the CPU
+    loss: float     # the last step's loss (a sanity check: finite)
+
+    @property
+    def tokens_per_s(self):
+        return self.tokens / self.seconds
+
+    @property
+    def tflops(self):
+        return self.flops / self.seconds / 1e12
+
+
+def shape(name, settings):
+    return SHAPES[name][1 if settings.tiny else 0]
+
+
+def model_label(name, settings):
+    layers, hidden, heads, seq, micro = shape(name, settings)
+    model = f"tiny l{layers} h{hidden}" if settings.tiny else {"large": "BERT-large", "base": "BERT-base"}[name]
+    return f"{model} s{seq} b{micro}"
+
+
+def minibert_config(name, settings, **overrides) -> Config:
+    layers, hidden, heads, seq, micro = shape(name, settings)
+    values = dict(num_layers=layers, hidden_size=hidden, num_attention_heads=heads, seq_length=seq,
+                  max_position_embeddings=512, micro_batch_size=micro, global_batch_size=micro, train_iters=1000,
+                  lr=1e-4, bf16=True, seed=SEED, split="100,0,0", num_workers=0, eval_iters=0)
+    values.update(overrides)
+    return validate(Config(**values), 1, settings.device.type, warn=None)
+
+
+def corpus_prefix(kind, settings):
+    """-> (.bin/.idx prefix, note) of the "default" or "long" corpus, prepared once per run."""
+    if kind not in settings.prefixes:
+        given = settings.corpus if kind == "default" else settings.long_corpus
+        settings.prefixes[kind] = prepare_corpus(kind, given, settings.work_dir, settings.tiny)
+    return settings.prefixes[kind]
+
+
+# ---------------------------------------------------------------- contenders
+def minibert_stepper(cfg, batches, device):
+    """-> step(): one train_step over the next micro-batches (the trainer's own path)."""
+    model, optimizer, scheduler = build_model_and_optimizer(cfg, device)
+    model.train()
+    iterator = iter(batches)
+
+    def step():
+        return train_step(model, optimizer, scheduler, iterator, cfg, device).losses["lm loss"]
+    return step
+
+
+def hf_inputs(batch):
+    """A minibert batch as BertForPreTraining's arguments (labels -100 where no loss is taken)."""
+    return {"input_ids": batch["text"], "token_type_ids": batch["types"],
+            "attention_mask": (batch["padding_mask"] == 1).long(),
+            "labels": torch.where(batch["loss_mask"] == 1, batch["labels"], -100),
+            "next_sentence_label": batch["is_random"]}
+
+
+def hf_stepper(cfg, batches, device, compiled=False):
+    """-> step(): HF BertForPreTraining, fp32 weights, autocast bf16, fused AdamW (PERF.md's peer)."""
+    from transformers import BertConfig, BertForPreTraining
+    config = BertConfig(vocab_size=cfg.padded_vocab_size, hidden_size=cfg.hidden_size,
+                        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_attention_heads,
+                        intermediate_size=cfg.ffn_size, max_position_embeddings=cfg.max_positions,
+                        attn_implementation="sdpa")
+    with torch.device(device):  # the weights are drawn on the device (faster than on the CPU, then copied)
+        model = BertForPreTraining(config).train()
+    forward = torch.compile(model) if compiled else model
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                  fused=device.type == "cuda")
+    iterator = iter([pinned(hf_inputs(b), device) for b in batches])  # converted before timing
+
+    def step():
+        inputs = {k: v.to(device, non_blocking=True) for k, v in next(iterator).items()}
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            loss = forward(**inputs).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+    return step
+
+
+CONTENDERS = {  # name -> (build(cfg, batches, device) -> step, config overrides)
+    "minibert": (minibert_stepper, {}),
+    "minibert packed": (minibert_stepper, {}),
+    "minibert padded": (minibert_stepper, {"pack_tokens": False}),
+    "HF eager": (hf_stepper, {}),
+    "HF compiled": (lambda cfg, batches, device: hf_stepper(cfg, batches, device, compiled=True), {}),
+}
+
+
+def synchronize(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure(contender, cfg, batches, settings) -> Measurement:
+    """Warm-up steps, then the timed ones, over batches[0:], cfg.num_micro_batches per step."""
+    device, m = settings.device, cfg.num_micro_batches
+    build, overrides = CONTENDERS[contender]
+    cfg = Config(**{**vars(cfg), **overrides})
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    torch.manual_seed(SEED)
+    step = build(cfg, batches, device)
+    for _ in range(settings.warmup):
+        step()
+    synchronize(device)
+    start = time.perf_counter()
+    for _ in range(settings.steps):
+        loss = step()
+    synchronize(device)
+    seconds = time.perf_counter() - start
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    loss = float(loss)
+    if not np.isfinite(loss):
+        raise RuntimeError(f"{contender}: the loss is {loss} after {settings.warmup + settings.steps} steps")
+    timed = batches[settings.warmup * m:(settings.warmup + settings.steps) * m]
+    counts = [batch_flops(b, cfg, b["padding_mask"] != 1) for b in timed]
+    del step
+    if contender == "HF compiled":
+        torch.compiler.reset()  # drop the compiled graphs (and the model they hold)
+    return Measurement(seconds, settings.steps, sum(len(b["text"]) for b in timed), sum(t for _, t in counts),
+                       sum(f for f, _ in counts), peak, loss)
+
+
+def contenders_for(names, settings):
+    if settings.device.type == "cpu" and "HF compiled" in names:
+        print("  HF compiled: skipped on the CPU", flush=True)
+        names = [n for n in names if n != "HF compiled"]
+    return names
+
+
+def batches_needed(cfg, settings):
+    return (settings.warmup + settings.steps) * cfg.num_micro_batches
+
+
+# ---------------------------------------------------------------- rows
+def row(name, value, unit, notes=""):
+    return {"name": name, "value": value, "unit": unit, "notes": notes}
+
+
+def throughput_rows(label, contender, result: Measurement, settings, full=True):
+    ms = 1e3 * result.seconds / result.steps
+    how = f"{ms:.1f} ms/step, {result.steps} timed steps after {settings.warmup} warm-up; loss {result.loss:.3f}"
+    if contender == "minibert":
+        how += "; packed micro-batches (the trainer's default)"
+    rows = [row(f"{label}: {contender}, seq/s", result.samples / result.seconds, "seq/s", how)]
+    if full:
+        mfu = result.tflops * 1e12 / PEAK_FLOPS
+        rows += [row(f"{label}: {contender}, real tokens/s", result.tokens_per_s, "tok/s"),
+                 row(f"{label}: {contender}, model TFLOP/s", result.tflops, "TFLOP/s", "PERF.md formula, r = 1"),
+                 row(f"{label}: {contender}, MFU", 100 * mfu, "%",
+                     f"of 790e12 (bf16 matmul measured on the H200); {100 * mfu * PEAK_FLOPS / DATASHEET_FLOPS:.1f}% "
+                     "of the 989e12 datasheet")]
+    if result.peak_bytes is not None:
+        rows.append(row(f"{label}: {contender}, peak memory", result.peak_bytes / 2 ** 30, "GiB",
+                        "torch.cuda.max_memory_allocated, reset per contender"))
+    return rows
+
+
+def ratio_rows(label, results, mine="minibert"):
+    rows = []
+    for peer in ("HF eager", "HF compiled"):
+        if peer in results:
+            ratio = results[mine].samples / results[mine].seconds / (results[peer].samples / results[peer].seconds)
+            rows.append(row(f"{label}: {mine} / {peer}", ratio, "x", "seq/s ratio (> 1: minibert is faster)"))
+    return rows
+
+
+# ---------------------------------------------------------------- sections
+def full_length_section(name, settings, full=True):
+    cfg = minibert_config(name, settings)
+    layers, hidden, heads, seq, micro = shape(name, settings)
+    label = f"{model_label(name, settings)} full-length"
+    prefix, _ = corpus_prefix("default", settings)
+    batches = stream_batches(prefix, batches_needed(cfg, settings), micro, seq, settings.device)
+    results, rows = {}, []
+    for contender in contenders_for(["minibert", "HF eager", "HF compiled"], settings):
+        results[contender] = measure(contender, cfg, batches, settings)
+        rows += print_rows(throughput_rows(label, contender, results[contender], settings, full))
+    rows += print_rows(ratio_rows(label, results))
+    return rows, results
+
+
+def section_1(settings):
+    rows, results = full_length_section("large", settings)
+    settings.full_length.update({name: r.tokens_per_s for name, r in results.items()})
+    return rows
+
+
+def section_2(settings):
+    """Padded batches; each contender's real tokens/s against its family's full-length run (section 1's,
+    or measured here on the same full-length batches when section 1 is not run)."""
+    cfg = minibert_config("large", settings)
+    layers, hidden, heads, seq, micro = shape("large", settings)
+    count, model, device = batches_needed(cfg, settings), model_label("large", settings), settings.device
+    default_prefix, _ = corpus_prefix("default", settings)
+    rows = []
+    for contender in ("minibert", "HF eager"):
+        if contender not in settings.full_length:  # section 1 not run
+            result = measure(contender, cfg, stream_batches(default_prefix, count, micro, seq, device), settings)
+            settings.full_length[contender] = result.tokens_per_s
+            rows += print_rows([row(f"{model} full-length reference: {contender}, real tokens/s",
+                                    result.tokens_per_s, "tok/s", "section 1's batches, measured here")])
+    long_prefix, long_note = corpus_prefix("long", settings)
+    low = seq // 4  # U[128, 512] at s512
+    lengths = np.random.default_rng(SEED + 1).integers(low, seq + 1, count * micro)
+    datasets = [("Megatron samples, long-document corpus", megatron_batches(long_prefix, count, cfg, device),
+                 long_note),
+                ("Megatron samples, default corpus", megatron_batches(default_prefix, count, cfg, device), ""),
+                (f"synthetic lengths U[{low},{seq}]", stream_batches(default_prefix, count, micro, seq, device,
+                                                                   lengths), "padding after the length")]
+    reference = {"minibert packed": "minibert", "minibert padded": "minibert", "HF eager + mask": "HF eager"}
+    for what, batches, note in datasets:
+        label = f"{model}, {what}"
+        real = mean_real_tokens(batches)
+        rows += print_rows([row(f"{label}: mean real tokens per sample", real, "tokens",
+                                f"{real / seq:.0%} of the {seq} positions" + (f"; {note}" if note else ""))])
+        for contender, full_length in reference.items():
+            result = measure(contender.replace(" + mask", ""), cfg, batches, settings)
+            ms = 1e3 * result.seconds / result.steps
+            rows += print_rows([
+                row(f"{label}: {contender}, real tokens/s", result.tokens_per_s, "tok/s",
+                    f"{ms:.1f} ms/step; loss {result.loss:.3f}"),
+                row(f"{label}: {contender}, real tokens/s vs full-length",
+                    100 * result.tokens_per_s / settings.full_length[full_length], "%",
+                    f"of {full_length}'s real tokens/s on full-length batches"
+                    + ("; target >= 90%" if contender == "minibert packed" else ""))])
+    return rows
+
+
+def section_3(settings):
+    return full_length_section("base", settings, full=False)[0]
+
+
+def section_4(settings):
+    """make train-small: the trainer's step on Megatron's seq-128 samples; fp32 as the Makefile, then bf16."""
+    layers, hidden, heads, seq, micro = shape("small", settings)
+    global_batch = micro if settings.tiny else SMALL_GLOBAL_BATCH  # tiny: one micro-batch per step
+    base = dict(global_batch_size=global_batch, lr=1e-4, min_lr=1e-5, lr_warmup_fraction=0.1, train_iters=200,
+                lr_decay_iters=100, bf16=False)
+    label = f"train-small (l{layers} h{hidden} s{seq}, micro {micro}, global {global_batch})"
+    prefix, _ = corpus_prefix("default", settings)
+    rows = []
+    for precision in ("fp32", "bf16"):
+        cfg = minibert_config("small", settings, **{**base, "bf16": precision == "bf16"})
+        batches = megatron_batches(prefix, batches_needed(cfg, settings), cfg, settings.device)
+        result = measure("minibert", cfg, batches, settings)
+        target = "; target <= 15 ms on the H200" if precision == "fp32" else ""
+        rows += print_rows([row(f"{label}, {precision}: ms per iteration, pre-built batches",
+                                1e3 * result.seconds / result.steps, "ms",
+                                f"train_step only; {result.tokens_per_s:,.0f} real tokens/s{target}")])
+    # the same fp32 step fed by the trainer's DataLoader (worker processes making Megatron's samples)
+    cfg = minibert_config("small", settings, **{**base, "num_workers": None, "data_path": [prefix]})
+    _, (train_ds, _, _) = build_datasets(cfg, log=lambda line: None)
+    loader = build_data_iterator(train_ds, 0, cfg, settings.device)
+    model, optimizer, scheduler = build_model_and_optimizer(cfg, settings.device)
+    for _ in range(settings.warmup):
+        train_step(model, optimizer, scheduler, loader, cfg, settings.device)
+    synchronize(settings.device)
+    start = time.perf_counter()
+    for _ in range(settings.steps):
+        train_step(model, optimizer, scheduler, loader, cfg, settings.device)
+    synchronize(settings.device)
+    ms = 1e3 * (time.perf_counter() - start) / settings.steps
+    return rows + print_rows([row(f"{label}, fp32: ms per iteration, through the DataLoader", ms, "ms",
+                                  f"{cfg.num_workers} DataLoader worker processes (the trainer's default on "
+                                  f"this device, as make train-small)")])
+
+
+SECTIONS = {1: section_1, 2: section_2, 3: section_3, 4: section_4}
+
+
+# ---------------------------------------------------------------- entry points
+def versions():
+    import transformers
+    try:
+        import triton
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = "none"
+    return (f"torch {torch.__version__}, transformers {transformers.__version__}, triton {triton_version}, "
+            f"CUDA {torch.version.cuda}, Python {platform.python_version()}")
+
+
+def device_name(device):
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({os.cpu_count()} cores)"
+
+
+def print_rows(rows):
+    """Print each row as bench/run.py does ("  name | value | unit | notes") and return them."""
+    for r in rows:
+        print("  " + " | ".join([r["name"], format_value(r["value"]), r["unit"], r["notes"]]), flush=True)
+    return rows
+
+
+def format_value(value):  # as bench/run.py writes its tables
+    if isinstance(value, float):
+        return f"{value:,.3f}" if abs(value) < 10 else f"{value:,.1f}"
+    return str(value)
+
+
+def run(sections=(1, 2, 3, 4), quick=False, device="cuda", tiny=False, corpus=None, long_corpus=None,
+        work_dir=None, command="make bench (bench/run.py)"):
+    """The rows of the chosen sections; the first row records the versions, the device and the command."""
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError("bench/train_bench.py needs a CUDA GPU; on the CPU run --device cpu --tiny")
+    if device.type == "cpu" and not tiny:
+        raise UsageError("--device cpu runs only the --tiny shapes (BERT-large would take hours)")
+    if device.type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
+        torch.cuda.set_device(device)
+        torch.backends.cuda.matmul.allow_tf32 = True  # as train.setup: fp32 matmuls on tensor cores (section 4)
+        torch.backends.cudnn.allow_tf32 = True
+    for path in (corpus, long_corpus):
+        if path is not None and not (os.path.isfile(path + ".idx") or os.path.isfile(path)):
+            raise UsageError(f"{path}: neither a .bin/.idx prefix nor a text file (one document per line)")
+    warmup, steps = STEPS["tiny" if tiny else "quick" if quick else "full"]
+    keep = work_dir is not None
+    work_dir = work_dir or tempfile.mkdtemp(prefix="train_bench_")
+    os.makedirs(work_dir, exist_ok=True)
+    settings = Settings(device, tiny, warmup, steps, corpus, long_corpus, work_dir)
+    rows = print_rows([row("setup", versions(), "", f"{device_name(device)}; command: {command}")])
+    try:
+        for number in sorted(sections):
+            print(f"== section {number}: {TITLES[number]}" + (" (tiny shapes)" if tiny else ""), flush=True)
+            rows += SECTIONS[number](settings)
+    finally:
+        if not keep:
+            shutil.rmtree(work_dir, ignore_errors=True)
+    return rows
+
+
+def markdown(rows, title="Training throughput (bench/train_bench.py)"):
+    lines = [f"## {title}", "", f"- {rows[0]['value']}", f"- {rows[0]['notes']}",
+             f"- date: {time.strftime('%Y-%m-%d %H:%M', time.gmtime())} UTC", "",
+             "| measurement | value | unit | notes |", "|---|---|---|---|"]
+    lines += ["| " + " | ".join([r["name"], format_value(r["value"]), r["unit"], r["notes"]]) + " |"
+              for r in rows[1:]]
+    return "\n".join(lines) + "\n"
+
+
+@exit_on_usage_error
+def main(argv=None):
+    parser = OneLineArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
+    parser.add_argument("--sections", default="1,2,3,4", help="comma-separated section numbers (1-4)")
+    parser.add_argument("--quick", action="store_true", help=f"{STEPS['quick'][0]} warm-up + {STEPS['quick'][1]} "
+                        f"timed steps per contender instead of {STEPS['full'][0]} + {STEPS['full'][1]}")
+    parser.add_argument("--device", default="cuda", help="cuda (default) or cpu (with --tiny only)")
+    parser.add_argument("--tiny", action="store_true", help="tiny shapes, 1 warm-up + 1 timed step (the CPU test)")
+    parser.add_argument("--corpus", default=None, help="the default corpus: a .bin/.idx prefix or a text file, "
+                        "one document per line (default: python -m minibert.corpus, preprocessed here)")
+    parser.add_argument("--long-corpus", default=None, help="the long-document corpus, likewise (default: "
+                        "minibert.corpus --long-documents where this checkout has it, else the default corpus)")
+    parser.add_argument("--work-dir", default=None, help="keep the preprocessed corpora here and reuse them "
+                        "(default: a temporary directory, removed at the end)")
+    parser.add_argument("--output", default=None, help="also write the rows as a markdown section to this file")
+    args = parser.parse_args(argv)
+    try:
+        sections = sorted({int(s) for s in args.sections.split(",")})
+    except ValueError:
+        raise UsageError(f"--sections {args.sections!r}: give numbers from 1 to 4, e.g. --sections 1,3") from None
+    if not set(sections) <= set(SECTIONS):
+        raise UsageError(f"--sections {args.sections!r}: the sections are 1, 2, 3 and 4")
+    command = "python bench/train_bench.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    rows = run(sections, args.quick, args.device, args.tiny, args.corpus, args.long_corpus, args.work_dir,
+               command.strip())
+    if args.output:
+        from minibert.atomic import atomic_write
+        text = markdown(rows)
+        atomic_write(args.output, lambda f: f.write(text), text=True, make_dirs=True)
+        print(f"wrote {args.output}")
+
+
+if __name__ == "__main__":
+    main()
