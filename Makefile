@@ -45,6 +45,11 @@ test:
 	@set -e; PY=$$($(call python_for,$(TEST_IMPORTS),tests/requirements.txt)); \
 	TRITON_INTERPRET=1 $$PY -m pytest -q tests $(PYTEST_ARGS)
 
+# test-gpu: what the CPU suite cannot check (bf16/fp16 kernels, fast paths vs their twins, fp16 resume), on a GPU.
+test-gpu:
+	@set -e; PY=$$($(call python_for,$(RUN_IMPORTS), pytest,tests/requirements.txt)); \
+	$$PY -m pytest -q tests/gpu $(PYTEST_ARGS)
+
 # bench: kernels and peers side by side on the GPU; writes BENCHMARKS.md (or BENCH_OUT).
 BENCH_OUT ?= BENCHMARKS.md
 bench:

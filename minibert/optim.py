@@ -185,7 +185,7 @@ class MixedPrecisionOptimizer:
         if self.loss_scaler is not None:
             torch._foreach_mul_(grads, 1.0 / self.loss_scaler.scale)  # unscale in place
         status = self._global_status(nonfinite_loss)
-        grad_norm = status[0].sqrt()
+        grad_norm = status[0].sqrt().float()
         sumsq, bad_losses = status.tolist()  # one host sync per step: the decision to skip must reach the host
         if bad_losses > 0:
             return StepOutcome(False, grad_norm, "nan")
@@ -214,12 +214,13 @@ class MixedPrecisionOptimizer:
         each contributes 1/DP of its sum of squares; TP/PP ranks contribute their own parameters."""
         device = self.pieces[0].master.device
         counted = [pc.master.grad for pc in self.pieces if pc.in_norm]
-        sumsq = (torch.stack(torch._foreach_norm(counted)).square().sum() if counted
-                 else torch.zeros((), device=device))
+        # in float64: a float32 sum of a million squares loses ~1e-4 of it on a CPU (sequential adds)
+        sumsq = (torch.stack(torch._foreach_norm(counted, 2, dtype=torch.float64)).square().sum() if counted
+                 else torch.zeros((), device=device, dtype=torch.float64))
         replicas = 1 if self.distributed else self.state.dp
-        bad = nonfinite_loss.to(device=device, dtype=torch.float32) if nonfinite_loss is not None \
-            else torch.zeros((), device=device)
-        status = torch.stack([sumsq.float() / replicas, bad])
+        bad = nonfinite_loss.to(device=device, dtype=torch.float64) if nonfinite_loss is not None \
+            else torch.zeros((), device=device, dtype=torch.float64)
+        status = torch.stack([sumsq / replicas, bad])
         if self.state.world_size > 1:
             dist.all_reduce(status)
         return status

@@ -31,7 +31,7 @@ Without overlap every bucket is reduced after the backward (the same numbers, la
 what has not started and waits for every handle before the optimizer reads the gradients.
 
 Averaging: each bucket is multiplied by 1/DP, then summed by the collective (Megatron's default; its
---average-in-collective asks NCCL to average instead, the same result). Gloo has no average op.
+--ddp-average-in-collective asks the collective to average instead: the same result).
 
 ZeRO-1 (--use-distributed-optimizer). Every bucket is padded to a multiple of DP and cut in DP equal
 shards; rank r owns shard r. The all-reduce becomes a reduce-scatter (rank r receives only the sum of
@@ -46,7 +46,7 @@ The parameters themselves live in a flat buffer per bucket too (`param.data` bec
 that all-gather writes the model in place.
 
 What production does: Megatron's DistributedDataParallel wraps the module and also shards gradients
-(ZeRO-2, --overlap-param-gather, FSDP); we keep ZeRO-1, the one its BERT example uses."""
+(ZeRO-2, --overlap-param-gather, FSDP); we keep ZeRO-1, its --use-distributed-optimizer."""
 import math
 
 import torch
