@@ -1,0 +1,90 @@
+"""The numbers chapters/04-data-parallel.md quotes that can be recomputed without launching a run: the
+parameter count of BERT-large and its bytes per rank with and without ZeRO-1, the optimizer state each
+rank of the chapter's small model holds at DP 1, 2 and 4, its gradient buckets, and the rows each
+data-parallel rank reads. Models are built on the meta device (shapes only, no memory, no arithmetic)
+and the data-parallel ranks are simulated by ParallelState(dp=..., rank=...) without process groups."""
+import pytest
+import torch
+
+from minibert.batches import MicroBatchSampler
+from minibert.config import Config, validate
+from minibert.model import BertModel
+from minibert.optim import build_optimizer
+from minibert.parallel.data_parallel import DataParallelGrads
+from minibert.parallel.state import ParallelState
+
+BERT_LARGE_PARAMETERS = 336_297_858
+
+
+def chapter_model_config(dp=1, **overrides):
+    """The chapter's MODEL flags: 2 layers, hidden 64, 4 heads, sequences of 64, micro 2, global 8."""
+    cfg = Config(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=64, max_position_embeddings=64,
+                 micro_batch_size=2, global_batch_size=8, train_iters=20, lr=1e-3, **overrides)
+    return validate(cfg, world_size=dp, warn=None)
+
+
+def meta_model(cfg):
+    """The model as train.py builds it (cast to --bf16 / --fp16), on the meta device."""
+    dtype = torch.float16 if cfg.fp16 else torch.bfloat16 if cfg.bf16 else torch.float32
+    with torch.device("meta"):
+        return BertModel(cfg).to(dtype)
+
+
+def test_bert_large_parameters_and_bytes_per_rank():
+    cfg = validate(Config(preset="340m", micro_batch_size=2, train_iters=1, lr=1e-4), warn=None)
+    n = sum(p.numel() for p in meta_model(cfg).parameters())
+    h, layers, vocab = 1024, 24, 30592
+    per_layer = 12 * h * h + 13 * h  # QKV, output projection, MLP (h -> 4h -> h), two LayerNorms
+    embeddings = vocab * h + 512 * h + 2 * h
+    heads = 2 * h + (h * h + h) + 2 * h + vocab + (h * h + h) + (2 * h + 2)  # final LN, LM head, pooler, SOP
+    assert n == layers * per_layer + embeddings + heads == BERT_LARGE_PARAMETERS
+    # 16-bit params 2 + fp32 grads 4 + fp32 masters 4 + Adam m 4 + Adam v 4 = 18 bytes; ZeRO-1: 6 + 12 / DP
+    gigabytes = {dp: round(n * (6 + 12 / dp) / 1e9, 2) for dp in (1, 2, 4, 8, 64)}
+    assert n * 18 == 6_053_361_444
+    assert gigabytes == {1: 6.05, 2: 4.04, 4: 3.03, 8: 2.52, 64: 2.08}
+    assert round(n * 6 / 1e9, 2) == 2.02
+    # ring collectives at DP 8, per GPU per step: all-reduce of fp32 grads vs reduce-scatter (fp32 grads)
+    # + all-gather (bf16 params)
+    assert round(2 * 7 / 8 * 4 * n / 1e9, 2) == 2.35
+    assert round(7 / 8 * (4 + 2) * n / 1e9, 2) == 1.77
+
+
+@pytest.mark.parametrize("dtype, bytes_per_parameter", [("fp32", 8), ("bf16", 12)])
+def test_optimizer_state_per_rank_of_the_chapter_model(dtype, bytes_per_parameter):
+    """What train.py prints as ' > optimizer state per rank ...' (the last rank's value)."""
+    per_rank = {}
+    for dp in (1, 2, 4):
+        cfg = chapter_model_config(dp, use_distributed_optimizer=dp > 1, ddp_bucket_size=100_000,
+                                   bf16=dtype == "bf16")
+        per_rank[dp] = [build_optimizer(meta_model(cfg), cfg, ParallelState(dp=dp, rank=r)).state_bytes()
+                        for r in range(dp)]
+    n = sum(p.numel() for p in meta_model(chapter_model_config()).parameters())
+    assert n == 2_101_378
+    assert per_rank[1] == [n * bytes_per_parameter]
+    assert per_rank[2] == [n * bytes_per_parameter // 2] * 2
+    # 2,101,378 elements do not split in 4: buckets are padded, and the padding sits in the last shard
+    assert sum(per_rank[4]) == n * bytes_per_parameter and per_rank[4][:3] == [525_345 * bytes_per_parameter] * 3
+    if dtype == "fp32":
+        assert per_rank == {1: [16_811_024], 2: [8_405_512] * 2, 4: [4_202_760] * 3 + [4_202_744]}
+
+
+def test_buckets_of_the_chapter_model():
+    cfg = chapter_model_config()
+    counts = {size: [b.grad_data.numel() for b in DataParallelGrads(meta_model(cfg), ParallelState(),
+                                                                       bucket_size=size).buckets]
+              for size in (None, 100_000, 20_000)}
+    assert counts == {None: [2_101_378], 100_000: [105_730, 1_995_648],
+                      20_000: [39_170, 33_216, 33_344, 20_928, 1_974_720]}
+
+
+def test_every_data_parallel_size_reads_the_same_micro_batches():
+    """Global batch 8, micro-batch 2: DP=1's micro-batch k is rank k % DP's micro-batch k // DP."""
+    def step_rows(dp, rank, consumed=0):
+        sampler = iter(MicroBatchSampler(100, consumed, 2, rank, dp))
+        return [next(sampler) for _ in range(8 // (2 * dp))]
+    one = step_rows(1, 0)
+    assert one == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    for dp in (2, 4):
+        for rank in range(dp):
+            assert step_rows(dp, rank) == one[rank::dp]
+    assert step_rows(2, 1, consumed=80) == [[82, 83], [86, 87]]  # a resume at iteration 10
