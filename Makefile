@@ -48,7 +48,7 @@ test:
 # test-gpu: what the CPU suite cannot check (bf16/fp16 kernels, fast paths vs their twins, fp16 resume), on a GPU.
 test-gpu:
 	@set -e; PY=$$($(call python_for,$(RUN_IMPORTS), pytest,tests/requirements.txt)); \
-	$$PY -m pytest -q tests/gpu $(PYTEST_ARGS)
+	TRITON_INTERPRET=0 $$PY -m pytest -q tests/gpu $(PYTEST_ARGS)
 
 # bench: kernels and peers side by side on the GPU; writes BENCHMARKS.md (or BENCH_OUT).
 BENCH_OUT ?= BENCHMARKS.md

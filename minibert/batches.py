@@ -20,7 +20,7 @@ import torch
 from minibert.blended_dataset import build_blended_train_valid_test_datasets, parse_data_path
 from minibert.errors import UsageError
 from minibert.masked_lm import open_data_prefix, split_num_samples
-from minibert.packing import make_packing, to_device, trimmed_length
+from minibert.packing import make_packing, to_device, trimmed_length, worth_packing
 from minibert.tokenizer import DEFAULT_VOCAB_FILE, build_tokenizer
 
 BATCH_KEYS = ("text", "types", "labels", "padding_mask", "loss_mask", "is_random")
@@ -142,8 +142,9 @@ def get_batch(data_iterator, device, cfg):
         s = trimmed_length(is_pad)
         cpu_batch = {k: v[:, :s] if v.dim() == 2 else v for k, v in cpu_batch.items()}
         is_pad = is_pad[:, :s]
-        packing = make_packing(is_pad)
-        loss_positions = packing.index  # one LM row per real token
+        if worth_packing(is_pad):
+            packing = make_packing(is_pad)
+            loss_positions = packing.index  # one LM row per real token
     if cfg.sparse_mlm:
         loss_positions = cpu_batch["loss_mask"].reshape(-1).nonzero().squeeze(1)  # the masked positions
         lm_rows = loss_positions

@@ -16,6 +16,9 @@ The micro-batch is also trimmed to its longest sample (rounded up to a multiple 
 kernels tile well): the attention then works on [b, s'] with s' <= s. Both are exact: attention masks
 padded keys, and the loss never reads padded positions.
 
+A micro-batch that is nearly all real tokens is not packed (worth_packing): there the scatters and
+gathers around attention cost more than the few padded positions they skip; it is only trimmed.
+
 The indices are computed on the CPU from the batch as it arrives (no device synchronisation: a boolean
 mask on the GPU would make the host wait for the count), then copied to the device with the batch.
 The padded layout stays as the plain twin (--no-pack-tokens); pipeline and sequence parallelism need fixed
@@ -26,6 +29,13 @@ import torch
 
 Packing = namedtuple("Packing", ["index", "cls_rows", "batch", "seq"])  # index, cls_rows: int64 tensors
 TRIM_MULTIPLE = 64
+PACK_BELOW = 0.85  # share of real tokens under which a micro-batch is packed (measured on an H200)
+
+
+def worth_packing(is_pad, threshold=PACK_BELOW) -> bool:
+    """Pack only a micro-batch that is mostly padding: the gathers and scatters around every attention
+    cost about as much as the padding they skip once a batch is ~85% real tokens (bench/notes-packing.md)."""
+    return float((~is_pad).float().mean()) < threshold
 
 
 def trimmed_length(is_pad, multiple=TRIM_MULTIPLE) -> int:
