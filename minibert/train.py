@@ -321,7 +321,9 @@ def _train(cfg, state, on_log) -> TrainResult:
     same_dir = bool(saved and cfg.save) and os.path.abspath(cfg.save) == os.path.abspath(cfg.load)
     last_saved = iteration if same_dir and iteration > 0 else None  # a checkpoint resumed in place is on disk
     stopped_early = False
+    profiler = Profiler(cfg, state)
     while iteration < cfg.train_iters:
+        profiler.at(iteration)
         step = train_step(model, optimizer, scheduler, train_iterator, cfg, state, pipeline)
         if step.status == "nan" and cfg.check_for_nan_in_loss_and_grad:
             raise UsageError(nan_stop_message(cfg, iteration + 1, last_saved))
@@ -345,6 +347,7 @@ def _train(cfg, state, on_log) -> TrainResult:
             stopped_early = True
             break
 
+    profiler.at(iteration, end=True)
     if not stopped_early:  # as Megatron: save, then evaluate on the validation and test splits
         if cfg.save and last_saved != iteration and iteration > 0:
             save()
@@ -355,6 +358,40 @@ def _train(cfg, state, on_log) -> TrainResult:
             run_evaluation(build_data_iterator(test_ds, 0, cfg, state.device, state), "test set")
     logger.close()
     return TrainResult(model, optimizer, scheduler, iteration, consumed_train, consumed_valid, logger.history)
+
+
+class Profiler:
+    """--profile: torch.profiler over iterations [--profile-step-start, --profile-step-end) (Megatron's
+    flags, counted from 0 like its loop), written as a Chrome trace (chrome://tracing, Perfetto, or
+    TensorBoard's profiler tab) per rank, and its top 15 operations by device time printed by the
+    logging rank: where the step's time goes."""
+
+    def __init__(self, cfg, state):
+        self.cfg, self.state, self.active = cfg, state, None
+
+    def at(self, iteration, end=False):
+        cfg = self.cfg
+        if not cfg.profile:
+            return
+        if self.active is None and not end and iteration == cfg.profile_step_start:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if self.state.device.type == "cuda":
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self.active = torch.profiler.profile(activities=activities)
+            self.active.__enter__()
+        elif self.active is not None and (end or iteration == cfg.profile_step_end):
+            if self.state.device.type == "cuda":
+                torch.cuda.synchronize()
+            self.active.__exit__(None, None, None)
+            directory = cfg.tensorboard_dir or "profile"
+            os.makedirs(directory, exist_ok=True)
+            path = os.path.join(directory, f"profile_rank{self.state.rank}_iter{cfg.profile_step_start}.json")
+            self.active.export_chrome_trace(path)
+            if self.state.is_logging_rank:
+                key = "self_cuda_time_total" if self.state.device.type == "cuda" else "self_cpu_time_total"
+                print(self.active.key_averages().table(sort_by=key, row_limit=15), flush=True)
+                print(f"profile of iterations [{cfg.profile_step_start}, {iteration}) written to {path}", flush=True)
+            self.active = None
 
 
 def nan_stop_message(cfg, iteration, last_saved) -> str:
