@@ -9,7 +9,7 @@ torch.cuda.synchronize() calls. Each contender gets a fresh model and a fresh pe
                  dict shaped like the DataLoader's, packs it unless --no-pack-tokens; bf16 weights, fp32
                  masters, AdamW (fused), grad-norm clipping and the non-finite check, Megatron's pre-LN)
     HF eager     BertForPreTraining (sdpa attention), fp32 weights under autocast bf16, fused AdamW, as
-                 PERF.md's peer (no clipping); vocab = minibert's padded vocab, so both run the same matmuls
+                 the peer setup of docs/measuring.md (no clipping); vocab = minibert's padded vocab, so both run the same matmuls
     HF compiled  the same, forward through torch.compile(model) (skipped on the CPU)
 
 Sections (--sections picks them):
@@ -23,7 +23,7 @@ Sections (--sections picks them):
     4  make train-small's model (4 layers, 128 hidden, 8 heads, s128, micro 4, global 16) on Megatron
        samples of the default corpus: ms per train_step, fp32 as the Makefile runs it, and bf16
 
-Model FLOPs (PERF.md): F = 72 l h^2 + 12 l s h + 6 r (h V + h^2) per token, r = 1, V = the padded vocab,
+Model FLOPs (docs/measuring.md): F = 72 l h^2 + 12 l s h + 6 r (h V + h^2) per token, r = 1, V = the padded vocab,
 with padding only real tokens count and sum(L_i^2) replaces s^2 (minibert.training_log.model_flops: the
 same count for every contender, since they compute the same model). MFU = model FLOP/s / 790e12.
 
@@ -56,7 +56,7 @@ from minibert.errors import OneLineArgumentParser, UsageError, exit_on_usage_err
 from minibert.training_log import PEAK_FLOPS  # noqa: E402
 from minibert.train import build_model_and_optimizer, train_step  # noqa: E402
 
-DATASHEET_FLOPS = 989e12  # H200 bf16 dense, the datasheet's figure (PERF.md reports both)
+DATASHEET_FLOPS = 989e12  # H200 bf16 dense, the datasheet's figure (docs/measuring.md reports both)
 STEPS = {"full": (5, 20), "quick": (3, 8), "tiny": (1, 1)}  # (warm-up, timed) steps; compile needs >= 3 warm-up
 # (layers, hidden, heads, seq, micro batch): the measured shape, and the --tiny one for the CPU test
 SHAPES = {"large": ((24, 1024, 16, 512, 32), (2, 64, 4, 64, 4)),
@@ -147,7 +147,7 @@ def hf_inputs(batch):
 
 
 def hf_stepper(cfg, batches, device, compiled=False):
-    """-> step(): HF BertForPreTraining, fp32 weights, autocast bf16, fused AdamW (PERF.md's peer)."""
+    """-> step(): HF BertForPreTraining, fp32 weights, autocast bf16, fused AdamW (the peer setup of docs/measuring.md)."""
     from transformers import BertConfig, BertForPreTraining
     config = BertConfig(vocab_size=cfg.padded_vocab_size, hidden_size=cfg.hidden_size,
                         num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_attention_heads,
@@ -243,7 +243,7 @@ def throughput_rows(label, contender, result: Measurement, settings, full=True):
     if full:
         mfu = result.tflops * 1e12 / PEAK_FLOPS
         rows += [row(f"{label}: {contender}, real tokens/s", result.tokens_per_s, "tok/s"),
-                 row(f"{label}: {contender}, model TFLOP/s", result.tflops, "TFLOP/s", "PERF.md formula, r = 1"),
+                 row(f"{label}: {contender}, model TFLOP/s", result.tflops, "TFLOP/s", "docs/measuring.md formula, r = 1"),
                  row(f"{label}: {contender}, MFU", 100 * mfu, "%",
                      f"of 790e12 (bf16 matmul measured on the H200); {100 * mfu * PEAK_FLOPS / DATASHEET_FLOPS:.1f}% "
                      "of the 989e12 datasheet")]

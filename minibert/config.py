@@ -302,6 +302,9 @@ def _validate_layout(cfg: Config, world_size: int, warn):
         raise UsageError(f"--sequence-parallel: --seq-length {cfg.seq_length} must be divisible by "
                          f"--tensor-model-parallel-size {tp}")
     lps = cfg.num_layers_per_virtual_pipeline_stage
+    if lps is not None and cfg.pipeline_schedule == "afab":
+        raise UsageError("--pipeline-schedule afab has no interleaved form: drop "
+                         "--num-layers-per-virtual-pipeline-stage or use the default 1f1b")
     if lps is not None and (pp < 2 or lps <= 0 or cfg.num_layers % (pp * lps)):
         raise UsageError(f"--num-layers-per-virtual-pipeline-stage {lps}: the interleaved schedule needs "
                          f"--pipeline-model-parallel-size >= 2 and --num-layers {cfg.num_layers} divisible by "

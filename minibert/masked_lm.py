@@ -12,7 +12,7 @@ One sample, from a row (first sentence, end sentence, target) of the sample inde
 
 Every random choice of sample i comes from its own np.random.RandomState(seed + i), in Megatron's order,
 so sample i never depends on which samples were read before it (any DataLoader worker can make any row).
-The order of the draws is the contract: FORMATS.md ("BERT samples") lists it step by step.
+The order of the draws is the contract: docs/formats.md ("BERT samples") lists it step by step.
 
 Splits: `--split 969,30,1` cuts the *documents* into train/valid/test ranges; each range gets its own
 sample index (same seed, its own num_samples). CLI: python -m minibert.masked_lm --help.

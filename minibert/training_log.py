@@ -14,7 +14,7 @@ Differences from Megatron: no timestamp prefix; the loss scale is shown in every
 without fp16). As in Megatron, an interval of only skipped steps (fp16 lowering its loss scale at the
 start) has no loss mean and no grad norm: those fields are left out of its line.
 
-Model FLOPs per step (PERF.md), forward + backward (x3) at 2 FLOPs per multiply-add, no recompute:
+Model FLOPs per step (docs/measuring.md), forward + backward (x3) at 2 FLOPs per multiply-add, no recompute:
 
     F = sum_i [ 6 l (4h^2 + 2 h f) L_i  +  12 l h L_i^2 ]  +  6 (h V + h^2) N_head
           ^ QKV, out proj, MLP per token   ^ QK^T and PV       ^ LM head (dense + decoder)

@@ -198,7 +198,7 @@ def test_bf16_on_cpu_through_the_python_api(data):
 
 
 def test_micro_batch_order_follows_formats_md():
-    """Iteration t, rank r, micro-batch k holds rows t*G + k*m*DP + r*m + [0, m) (FORMATS.md)."""
+    """Iteration t, rank r, micro-batch k holds rows t*G + k*m*DP + r*m + [0, m) (docs/formats.md)."""
     m, dp, G, consumed = 2, 3, 12, 24
     per_rank = [list(MicroBatchSampler(100, consumed, m, dp_rank=r, dp_size=dp)) for r in range(dp)]
     for r in range(dp):
@@ -214,7 +214,7 @@ def test_batch_flops_is_perf_md_formula():
     l, h, s, V = 3, 64, 16, cfg.padded_vocab_size
     full = {"padding_mask": torch.ones(2, s, dtype=torch.long), "loss_mask": torch.zeros(2, s, dtype=torch.long)}
     flops, tokens = batch_flops(full, cfg, full["padding_mask"] == 0)
-    per_token = 72 * l * h * h + 12 * l * s * h + 6 * (h * V + h * h)  # PERF.md, no padding, r = 1
+    per_token = 72 * l * h * h + 12 * l * s * h + 6 * (h * V + h * h)  # docs/measuring.md, no padding, r = 1
     assert tokens == 2 * s and flops == pytest.approx(2 * s * per_token, rel=1e-12)
     padded = {"padding_mask": full["padding_mask"].clone(), "loss_mask": full["loss_mask"]}
     padded["padding_mask"][1, 10:] = 0  # sample 1 has 10 real tokens

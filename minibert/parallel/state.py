@@ -52,7 +52,8 @@ def check_sizes(world_size: int, tp: int, pp: int) -> int:
         if value < 1:
             raise UsageError(f"{flag} {value} must be at least 1")
     if world_size % (tp * pp):
-        raise UsageError(f"{world_size} processes cannot be split into TP x PP = {tp} x {pp} = {tp * pp} "
+        raise UsageError(f"{world_size} process{'es' if world_size != 1 else ''} cannot be split into TP x PP = "
+                         f"{tp} x {pp} = {tp * pp} "
                          f"model-parallel groups: launch a multiple of {tp * pp} processes or change "
                          "--tensor-model-parallel-size / --pipeline-model-parallel-size")
     return world_size // (tp * pp)
