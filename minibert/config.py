@@ -202,12 +202,6 @@ PRESETS = {  # the three sizes of Megatron's BERT example (BERT-large is its "34
     "20b": dict(num_layers=48, hidden_size=6144, num_attention_heads=96, seq_length=512, max_position_embeddings=512),
 }
 
-# Flags whose feature arrives in a later part of the course: accepted, then refused with this reason.
-NOT_SUPPORTED_YET = {
-    "exit_signal_handler": (lambda v: v, "--exit-signal-handler"),
-}
-
-
 def _flag_name(name: str) -> str:
     return "--" + name.replace("_", "-")
 
@@ -230,9 +224,6 @@ def validate(cfg: Config, world_size: int = 1, device_type: str = "cpu", warn=_w
                  "micro_batch_size", "train_iters", "lr"]:
         if getattr(cfg, name) is None:
             raise UsageError(f"{_flag_name(name)} is required")
-    for name, (is_used, what) in NOT_SUPPORTED_YET.items():
-        if is_used(getattr(cfg, name)):
-            raise UsageError(f"{what} is not supported yet; run without it")
     for name in ["num_layers", "hidden_size", "num_attention_heads", "seq_length",
                  "micro_batch_size", "train_iters", "log_interval", "eval_interval"]:
         if getattr(cfg, name) <= 0:

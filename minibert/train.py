@@ -39,6 +39,7 @@ from minibert.config import parse_args, validate
 from minibert.errors import UsageError, exit_on_usage_error
 from minibert.model import BertModel, init_parameters, pretraining_loss
 from minibert.optim import build_optimizer, build_scheduler
+from minibert.parallel import faults
 from minibert.parallel.pipeline import (Pipeline, forward_backward_no_pipelining, forward_backward_pipelining,
                                        forward_pipelining)
 from minibert.parallel.rng import TENSOR_PARALLEL_SEED_OFFSET, TensorParallelRNG
@@ -270,10 +271,18 @@ def train(cfg, on_log=None, device=None) -> TrainResult:
     """Pretrain BERT as configured by `cfg` (a minibert.config.Config). on_log(record) is called with
     every log record: kind "train" (one per --log-interval), "validation" or "test"."""
     state = setup(cfg, device)
+    faults.register(state)
     try:
-        return _train(cfg, state, on_log)
-    finally:
-        state.destroy()
+        result = _train(cfg, state, on_log)
+    except UsageError as e:  # a mistake every rank meets prints on every rank; one rank's is recorded too
+        faults.record(state, e)
+        raise
+    except Exception as e:
+        if state.world_size == 1:
+            raise
+        faults.handle(state, e, cfg.distributed_timeout_minutes)  # one line per rank, exit 1: never a hang
+    state.destroy()
+    return result
 
 
 def _train(cfg, state, on_log) -> TrainResult:
@@ -322,6 +331,7 @@ def _train(cfg, state, on_log) -> TrainResult:
     last_saved = iteration if same_dir and iteration > 0 else None  # a checkpoint resumed in place is on disk
     stopped_early = False
     profiler = Profiler(cfg, state)
+    signals = faults.SignalFlag(state, cfg.distributed_timeout_minutes) if cfg.exit_signal_handler else None
     while iteration < cfg.train_iters:
         profiler.at(iteration)
         step = train_step(model, optimizer, scheduler, train_iterator, cfg, state, pipeline)
@@ -344,6 +354,13 @@ def _train(cfg, state, on_log) -> TrainResult:
             if cfg.save and last_saved != iteration:
                 save()
             logger.print(f"exiting at iteration {iteration} (--exit-interval {cfg.exit_interval})")
+            stopped_early = True
+            break
+        if signals is not None and signals.agreed():  # SIGTERM / SIGINT on any rank: save and stop, together
+            if cfg.save and last_saved != iteration:
+                save()
+            logger.print(f"exiting at iteration {iteration}: {signals.received or 'a signal on another rank'} "
+                         "(--exit-signal-handler)")
             stopped_early = True
             break
 

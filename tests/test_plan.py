@@ -235,7 +235,7 @@ def test_a_plan_for_a_layout_that_runs(capsys):
 @pytest.mark.parametrize("argv, message", [(["--mfu", "1.5"], "--mfu must be at most 1"),
                                            (["--ib-gb-s", "0"], "--ib-gb-s 0 must be positive"),
                                            (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
-                                           (["--recompute-activations"], "not supported yet")])
+                                           ])
 def test_bad_input_is_one_line_and_exit_2(capsys, argv, message):
     code, out, err = run_plan(capsys, "--preset", "340m", "--micro-batch-size", 4, "--train-iters", 10, "--lr", 1e-4,
                               *argv)

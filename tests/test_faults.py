@@ -1,0 +1,149 @@
+"""Faults, as a long run meets them: SIGKILL at random moments (the save included) never leaves a tracker
+on an incomplete checkpoint and the resumed losses equal the unbroken run's, for one process and TP 2 x PP 2;
+SIGTERM with --exit-signal-handler saves and exits 0 on every rank together; a killed rank or an exception
+on one rank makes the others stop with one line naming it, never a hang."""
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from minibert import checkpoint
+from tests import launch
+
+ROOT = launch.ROOT
+
+
+def args(data, *extra):
+    base = ["--num-layers", 4, "--hidden-size", 32, "--num-attention-heads", 4, "--seq-length", 32,
+            "--micro-batch-size", 2, "--global-batch-size", 8, "--lr", 3e-3, "--lr-warmup-iters", 2,
+            "--data-path", data["prefix"], "--vocab-file", data["vocab"], "--split", "90,5,5", "--eval-iters", 0,
+            "--log-interval", 1, "--distributed-timeout-minutes", 0.25]
+    return [str(a) for a in base + list(extra)]
+
+
+def command(nproc, arguments):
+    return [sys.executable, launch.TRAIN_PY] + arguments if nproc == 1 else launch.torchrun_command(nproc, arguments)
+
+
+def start(nproc, arguments):
+    return subprocess.Popen(command(nproc, arguments), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=launch.env(), cwd=ROOT, start_new_session=True)
+
+
+def iteration_lines(stdout):
+    return {line.split("|")[0].split()[1].split("/")[0]: line for line in launch.comparable_lines(stdout)
+            if line.startswith("iteration ")}
+
+
+def complete(save, nproc_layout):
+    """The tracker (if any) names a checkpoint every rank can load (manifest checked)."""
+    if not os.path.exists(checkpoint.tracker_path(str(save))):
+        return None
+    tp, pp = nproc_layout
+    for t in range(tp):
+        for p in range(pp):
+            state = checkpoint.load_checkpoint(str(save), tp_rank=t, pp_rank=p, pp_size=pp)
+            assert state is not None
+    return checkpoint.read_tracker(str(save))
+
+
+@pytest.mark.parametrize("nproc,layout", [(1, []), (4, ["--tensor-model-parallel-size", 2,
+                                                        "--pipeline-model-parallel-size", 2])],
+                         ids=["one-process", "tp2-pp2"])
+def test_random_kills_never_leave_a_broken_checkpoint_and_resume_exactly(tiny_data, tmp_path, nproc, layout):
+    iterations = 12
+    flags = layout + ["--train-iters", iterations]
+    unbroken = launch.run(nproc, args(tiny_data, *flags))
+    assert unbroken.returncode == 0, unbroken.stderr[-2000:]
+    expected = iteration_lines(unbroken.stdout)
+    save = tmp_path / "ckpt"
+    resumable = args(tiny_data, *flags, "--save", save, "--load", save, "--save-interval", 1)
+    rng = random.Random(nproc)  # seeded kill times
+    startup = 4.0 if nproc == 1 else 9.0
+    seen = []
+    for attempt in range(5):
+        process = start(nproc, resumable)
+        time.sleep(startup + rng.uniform(0.0, 3.0))
+        os.killpg(process.pid, signal.SIGKILL)  # the whole job at once, like a node losing power
+        out, _ = process.communicate()
+        lines = iteration_lines(out)
+        for it, line in lines.items():
+            assert line == expected[it], (attempt, it)
+        seen.append((attempt, sorted(map(int, lines)), complete(save, (2, 2) if nproc == 4 else (1, 1))))
+    final = launch.run(nproc, resumable)
+    assert final.returncode == 0, final.stderr[-2000:]
+    for it, line in iteration_lines(final.stdout).items():
+        assert line == expected[it], it
+    assert checkpoint.read_tracker(str(save)) == iterations
+    print(f"kills: {seen}")
+
+
+def test_sigterm_saves_at_the_end_of_the_iteration_and_exits_0(tiny_data, tmp_path):
+    flags = ["--train-iters", 400, "--exit-signal-handler", "--save", tmp_path / "ckpt"]
+    process = start(1, args(tiny_data, *flags))
+    time.sleep(6.0)
+    process.send_signal(signal.SIGTERM)
+    out, err = process.communicate(timeout=120)
+    assert process.returncode == 0, err[-2000:]
+    stopped = [line for line in out.splitlines() if line.startswith("exiting at iteration")]
+    assert len(stopped) == 1 and "SIGTERM (--exit-signal-handler)" in stopped[0]
+    at = int(stopped[0].split()[3].rstrip(":"))
+    assert checkpoint.read_tracker(str(tmp_path / "ckpt")) == at < 400
+    assert checkpoint.load_checkpoint(str(tmp_path / "ckpt"))["iteration"] == at
+
+
+def worker_pids(torchrun_pid):
+    children = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                if int(fields[1]) == torchrun_pid:
+                    children.append(int(name))
+            except OSError:
+                continue
+    return sorted(children)
+
+
+def test_sigterm_on_one_rank_stops_every_rank_together(tiny_data, tmp_path):
+    flags = ["--train-iters", 400, "--exit-signal-handler", "--save", tmp_path / "ckpt"]
+    process = start(2, args(tiny_data, *flags))
+    time.sleep(12.0)
+    workers = worker_pids(process.pid)
+    assert len(workers) == 2, workers
+    os.kill(workers[0], signal.SIGTERM)  # only rank 0 is told
+    out, err = process.communicate(timeout=120)
+    assert process.returncode == 0, err[-2000:]
+    assert "(--exit-signal-handler)" in out
+    tracker = checkpoint.read_tracker(str(tmp_path / "ckpt"))
+    assert 0 < tracker < 400 and checkpoint.load_checkpoint(str(tmp_path / "ckpt"))["iteration"] == tracker
+
+
+def test_a_killed_rank_makes_the_others_stop_naming_it(tiny_data, tmp_path):
+    process = start(2, args(tiny_data, "--train-iters", 100000))
+    time.sleep(12.0)
+    workers = worker_pids(process.pid)
+    killed_at = time.time()
+    os.kill(workers[1], signal.SIGKILL)
+    out, err = process.communicate(timeout=120)
+    assert time.time() - killed_at < 60  # within the timeout (15 s) and torchrun's own teardown
+    assert process.returncode != 0
+    lines = launch.error_lines(err)
+    assert len(lines) == 1 and "[rank 0] stopping: rank 1 is gone" in lines[0], err[-3000:]
+
+
+def test_an_exception_on_one_rank_is_printed_once_with_its_rank(tiny_data, tmp_path):
+    script = os.path.join(ROOT, "tests", "distributed", "raise_on_rank.py")
+    arguments = args(tiny_data, "--train-iters", 20)
+    result = subprocess.run(launch.torchrun_command(2, arguments)[:-len(arguments) - 1] + [script] + arguments,
+                            capture_output=True, text=True, env=launch.env(), cwd=ROOT, timeout=120)
+    assert result.returncode != 0
+    assert result.stderr.count("[rank 1] RuntimeError: injected fault on rank 1") == 1
+    assert "[rank 1] Traceback (most recent call last):" in result.stderr
+    lines = launch.error_lines(result.stderr)
+    assert len(lines) == 1 and "[rank 0] stopping: rank 1 failed: RuntimeError: injected fault on rank 1" in lines[0]
