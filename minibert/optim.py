@@ -167,6 +167,11 @@ class MixedPrecisionOptimizer:
         return self.loss_scaler.scale if self.loss_scaler is not None else 1.0
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss to call backward on (fp16: times the loss scale). Called before each micro-batch's
+        backward, it first folds the previous backward's gradients into the fp32 main grads, so the plain
+        loop `scale_loss(loss / n).backward()` accumulates in fp32 even without a schedule."""
+        for g in self.grads:
+            g.accumulate()
         return loss * self.loss_scaler.scale if self.loss_scaler is not None else loss
 
     def zero_grad(self):

@@ -230,10 +230,11 @@ def test_bf16_masters_stay_fp32_and_accumulate_in_fp32():
         single.append([p.grad.float() for p in twin.parameters()])
     opt.zero_grad()
     for x in xs:
-        model(x).backward()
+        opt.scale_loss(model(x)).backward()  # the optimizer's loop: each backward folded in fp32
+    opt.grads[0].finish()
     for i, p in enumerate(model.parameters()):  # the fp32 main-grad buffer holds the sum of both
         torch.testing.assert_close(p.main_grad, single[0][i] + single[1][i], rtol=0, atol=0)
-    assert all(p.grad is None for p in model.parameters())  # the hook freed the 16-bit grads
+    assert all(p.grad is None for p in model.parameters())  # folded into main_grad, the 16-bit grads freed
     # Why masters: AdamW moves a weight by ~lr = 1e-3 per step, less than half of bf16's spacing
     # near 1.0 (2^-7). Straight on bf16 weights every update rounds away; the fp32 masters add up.
     plain = Tiny(torch.bfloat16)

@@ -51,6 +51,8 @@ def forward_backward_no_pipelining(forward_step, batches, model_chunks, *, grads
             for g in grads:
                 g.set_last_micro_batch(k == len(batches) - 1)
             scale_loss(loss / len(batches)).backward()
+            for g in grads:
+                g.accumulate()
         results.append((loss.detach(), metrics))
     return results
 
@@ -126,6 +128,8 @@ def forward_backward_pipelining(forward_step, batches, model_chunks, pipeline, *
                 scale_loss(output / m).backward()
             else:
                 torch.autograd.backward(output, grad_tensors=_take_local(received, outgoing, needed, state))
+            if action.chunk < len(grads):
+                grads[action.chunk].accumulate()
             if produced is not None:
                 outgoing[produced[1]] = x.grad
     pipeline.post(pipeline.plan[len(pipeline.actions)], outgoing, received)
