@@ -38,6 +38,7 @@ def main(argv=None):
     parser.add_argument("--work-dir", default=None)
     args = parser.parse_args(argv)
     work = args.work_dir or tempfile.mkdtemp()
+    os.makedirs(work, exist_ok=True)
     corpus = os.path.join(work, "long.txt")
     python("-m", "minibert.corpus", "--long-documents", "--output", corpus)
     python("minibert/preprocess.py", "--input", corpus, "--output-prefix", os.path.join(work, "long"),
