@@ -175,7 +175,6 @@ CONTENDERS = {  # name -> (build(cfg, batches, device) -> step, config overrides
     "minibert": (minibert_stepper, {}),
     "minibert packed": (minibert_stepper, {}),
     "minibert padded": (minibert_stepper, {"pack_tokens": False}),
-    "minibert compiled": (minibert_stepper, {"compile_layers": True}),
     "HF eager": (hf_stepper, {}),
     "HF compiled": (lambda cfg, batches, device: hf_stepper(cfg, batches, device, compiled=True), {}),
 }
@@ -220,7 +219,7 @@ def measure(contender, cfg, batches, settings) -> Measurement:
 
 def contenders_for(names, settings):
     if settings.device.type == "cpu":
-        print("  HF compiled: skipped on the CPU (and minibert compiled)", flush=True)
+        print("  HF compiled: skipped on the CPU", flush=True)
         names = [n for n in names if "compiled" not in n]
     return names
 
@@ -270,12 +269,10 @@ def full_length_section(name, settings, full=True):
     prefix, _ = corpus_prefix("default", settings)
     batches = stream_batches(prefix, batches_needed(cfg, settings), micro, seq, settings.device)
     results, rows = {}, []
-    for contender in contenders_for(["minibert", "minibert compiled", "HF eager", "HF compiled"], settings):
+    for contender in contenders_for(["minibert", "HF eager", "HF compiled"], settings):
         results[contender] = measure(contender, cfg, batches, settings)
         rows += print_rows(throughput_rows(label, contender, results[contender], settings, full))
     rows += print_rows(ratio_rows(label, results))
-    if "minibert compiled" in results:
-        rows += print_rows(ratio_rows(label, results, mine="minibert compiled"))
     return rows, results
 
 

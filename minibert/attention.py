@@ -84,7 +84,6 @@ def attention(q, k, v, padding_mask=None, *, backend="local", dropout_p=0.0):
     raise ValueError(f"unresolved attention backend {backend!r}: call resolve_backend first")
 
 
-@torch.compiler.disable  # --compile-layers compiles around it: the Triton kernels launch as they are
 def attention_qkv(qkv, padding_mask=None, *, backend="local", dropout_p=0.0):
     """The fused projection's output qkv [b, s, heads, 3, d] -> [b, heads, s, d]. The flash backend reads
     and writes the packed buffer directly (kernels/flash_attention_packed.py: no copies in the backward);

@@ -136,6 +136,7 @@ def get_batch(data_iterator, device, cfg):
         raise UsageError("a data split ran out of samples: keep --train-iters/--eval-iters/--eval-interval "
                          "as in the run being resumed, or start without --load") from None
     is_pad = cpu_batch["padding_mask"] != 1
+    is_pad[:, 0] = False  # the [CLS] position is always attended and pooled: a sample is never all padding
     flops, tokens = batch_flops(cpu_batch, cfg, is_pad)
     packing = lm_rows = loss_positions = None
     if cfg.pack_tokens:

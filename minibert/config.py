@@ -43,8 +43,6 @@ class Config:
                                    choices=["auto", "local", "unfused", "fused", "flash"])
     sparse_mlm: bool = _flag(False, "send only masked positions through the LM head (faster; "
                                     "off for Megatron parity)")
-    compile_layers: bool = _flag(False, "torch.compile each transformer layer around the attention kernel "
-                                        "(fuses bias, GeLU, dropout, residual and LayerNorm; GPU only)")
     pack_tokens: bool = _flag(True, "run each micro-batch's real tokens packed ([n, h]) through everything but "
                                     "attention, trimmed to its longest sample (exact; off: the padded twin; "
                                     "pipeline and sequence parallelism use the padded layout)",

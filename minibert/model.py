@@ -167,7 +167,7 @@ class TiedDecoder(nn.Module):
     The table has padded_vocab_size rows (Megatron pads the vocab to a multiple of 128 so it splits evenly
     over tensor-parallel ranks). The matmul runs over the whole padded table, because a multiple of 128
     columns is what the GPU's matmul kernels are fastest at (an odd width like 30524 falls back to slower
-    kernels; bench/notes-lm-head.md has the measurement), and the padded columns are then cut off as a view, so the softmax/CE only ever covers the real
+    kernels), and the padded columns are then cut off as a view, so the softmax/CE only ever covers the real
     vocab: the padding can never change the loss, whatever its rows hold. Tensor parallelism swaps this
     module for a vocab-parallel one (each rank its block of rows; the cross entropy masks the padding)."""
 

@@ -133,11 +133,7 @@ def build_model(cfg, state):
         for name, p in chunk.named_parameters():
             vars(p).update(marks[name])  # ... so they are put back
         init_parameters(chunk, cfg.seed)
-        chunk = chunk.to(compute_dtype(cfg))
-        if cfg.compile_layers and state.device.type == "cuda":
-            for layer in chunk.layers.values():
-                layer.compile()  # the attention kernel stays outside the compiled graphs (attention_qkv)
-        chunks.append(chunk)
+        chunks.append(chunk.to(compute_dtype(cfg)))
     return chunks[0] if len(chunks) == 1 else chunks
 
 

@@ -101,7 +101,8 @@ class NotPlainData:
         return (os.getcwd, ())
 
 
-@pytest.mark.parametrize("problem", ["garbage", "truncated", "missing", "code", "not-a-dict", "tracker"])
+@pytest.mark.parametrize("problem", ["garbage", "truncated", "missing", "code", "not-a-dict", "tracker",
+                                     "bit-flipped", "zeroed"])
 def test_bad_checkpoints_exit_2_naming_the_file(tmp_path, capsys, problem):
     save = str(tmp_path)
     path = checkpoint.checkpoint_path(save, 5)
@@ -122,6 +123,14 @@ def test_bad_checkpoints_exit_2_naming_the_file(tmp_path, capsys, problem):
         torch.save({"iteration": 5, "evil": NotPlainData()}, path)
     elif problem == "not-a-dict":
         torch.save([1, 2, 3], path)
+    elif problem in ("bit-flipped", "zeroed"):  # torch.load would load these silently: the manifest catches them
+        data = bytearray(open(path, "rb").read())
+        middle = len(data) // 2
+        if problem == "bit-flipped":
+            data[middle] ^= 0x10
+        else:
+            data[middle:middle + 512] = bytes(512)
+        open(path, "wb").write(bytes(data))
 
     with pytest.raises(SystemExit) as exit_info:
         exit_on_usage_error(checkpoint.load_checkpoint)(save)

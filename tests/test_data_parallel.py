@@ -52,9 +52,11 @@ def test_data_parallel_equals_one_process(tiny_data, tmp_path_factory, layout_re
 
 
 def test_two_nodes_equal_one_process(tiny_data, tmp_path, layout_reference):
-    """torchrun --nnodes 2 --node_rank R on this machine: 2 x 2 processes, ZeRO-1 across the nodes."""
+    """torchrun --nnodes 2 --node_rank R on this machine: 2 x 2 processes, TP 2 inside each node and data
+    parallelism (ZeRO-1) across the two nodes."""
     tb = tmp_path / "tb"
-    results = launch.run_nodes(2, 2, layout_args(tiny_data, tb, "--use-distributed-optimizer"))
+    results = launch.run_nodes(2, 2, layout_args(tiny_data, tb, "--use-distributed-optimizer",
+                                                 "--tensor-model-parallel-size", 2))
     for r in results:
         assert r.returncode == 0, r.stderr[-3000:]
     printed = [line for r in results for line in r.stdout.splitlines() if line.startswith("iteration ")]

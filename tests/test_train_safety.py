@@ -157,3 +157,68 @@ def test_a_crash_before_the_rename_leaves_no_file(tmp_path):
         atomic.atomic_write(str(tmp_path / "new" / "f.bin"), write, make_dirs=True)
     assert os.listdir(tmp_path / "new") == []
     assert np.array_equal(np.array(os.listdir(tmp_path)), np.array(["new"]))
+
+
+def test_bf16_run_stopped_and_resumed_logs_the_unbroken_run(tiny_data, tmp_path):
+    """bf16 weights with fp32 masters: the masters come back from the checkpoint, not from the rounded
+    16-bit weights, so the resumed run is the unbroken one, line for line (dropout on)."""
+    common = args(tiny_data, "--train-iters", 6, "--bf16", "--eval-iters", 1, "--eval-interval", 3)
+    unbroken = launch.run(1, common)
+    first = launch.run(1, common + ["--save", str(tmp_path / "ck"), "--exit-interval", 3])
+    second = launch.run(1, common + ["--load", str(tmp_path / "ck")])
+    for result in (unbroken, first, second):
+        assert result.returncode == 0, result.stderr[-2000:]
+    assert launch.comparable_lines(first.stdout) + launch.comparable_lines(second.stdout) == \
+        launch.comparable_lines(unbroken.stdout)
+
+
+def test_a_nan_on_one_tensor_parallel_rank_stops_every_rank(tiny_data, tmp_path):
+    """Only rank 1's copy of a replicated weight is poisoned: its NaN reaches every rank's grad norm."""
+    import shutil
+    save = tmp_path / "tp2"
+    first = launch.run(2, args(tiny_data, "--train-iters", 2, "--tensor-model-parallel-size", 2, "--save", save))
+    assert first.returncode == 0, first.stderr[-2000:]
+    path = checkpoint.checkpoint_path(str(save), 2, tp_rank=1)
+    state = torch.load(path, weights_only=True)
+    state["model"]["lm_head.dense.weight"] = torch.full_like(state["model"]["lm_head.dense.weight"], 3e38)
+    entries = {}
+    from minibert.manifest import write_manifest
+    directory = checkpoint.iteration_dir(str(save), 2)
+    entries["mp_rank_01/model_optim_rng.pt"] = checkpoint.write_file(path, state)
+    import json
+    manifest = json.load(open(os.path.join(directory, "manifest.json")))["files"]
+    manifest.update(entries)
+    write_manifest(directory, manifest)
+    result = launch.run(2, args(tiny_data, "--train-iters", 4, "--tensor-model-parallel-size", 2, "--load", save,
+                                "--save", save))
+    errors = launch.error_lines(result.stderr)
+    assert result.returncode != 0 and len(errors) == 2 and all("iteration 3:" in e and "not finite" in e
+                                                               for e in errors), result.stderr[-3000:]
+    shutil.rmtree(save)
+
+
+@pytest.mark.parametrize("flag,value,named", [("--num-layers", 3, "--num-layers 2 (now 3)"),
+                                              ("--post-ln", None, "--post-ln False (now True)"),
+                                              ("--hidden-size", 64, "--hidden-size 32 (now 64)")])
+def test_a_checkpoint_of_another_model_exits_2_naming_what_differs(tiny_data, two_iterations, flag, value, named):
+    extra = [flag] if value is None else [flag, value]
+    result = launch.run(1, args(tiny_data, "--train-iters", 4, "--bf16", "--load", two_iterations, *extra))
+    errors = launch.error_lines(result.stderr)
+    assert result.returncode == 2 and len(errors) == 1 and named in errors[0], result.stderr
+
+
+def test_all_padding_and_nothing_masked_give_finite_losses(tiny_data):
+    from minibert.train import build_model_and_optimizer, forward_step
+    cfg = Config(num_layers=1, hidden_size=16, num_attention_heads=2, seq_length=16, micro_batch_size=2,
+                 global_batch_size=2, train_iters=1, lr=1e-3, vocab_file=tiny_data["vocab"])
+    from minibert.config import validate
+    validate(cfg)
+    zeros = torch.zeros(2, 16, dtype=torch.int64)
+    batch_cpu = {"text": zeros, "types": zeros, "labels": torch.full((2, 16), -1), "padding_mask": zeros,
+                 "loss_mask": zeros, "is_random": torch.zeros(2, dtype=torch.int64)}
+    model, _, _ = build_model_and_optimizer(cfg, torch.device("cpu"))
+    batch = get_batch(iter([batch_cpu]), torch.device("cpu"), cfg)  # every position padding, nothing masked
+    loss, metrics = forward_step(batch, model, None, cfg)
+    loss.backward()
+    assert torch.isfinite(loss) and float(metrics["lm loss"]) == 0.0
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)

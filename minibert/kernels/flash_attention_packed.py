@@ -5,7 +5,7 @@ minibert.model.SelfAttention). The plain route unbinds it into three strided vie
 then pays for that in the backward: the three gradients come back as separate [b, heads, s, d] tensors,
 which the backward of unbind stacks into a new [3, b, heads, s, d] tensor and the backward of the permute
 copies again into the [b, s, heads, 3, d] layout the Linear's backward wants: two extra passes over 3x the
-activations per layer (bench/notes-packed-qkv.md has the measured cost).
+activations per layer.
 
 The kernels already address every tensor through its strides, so this function hands them the views
 into qkv for the forward, and views into one empty [b, s, heads, 3, d] buffer for dq, dk, dv: the
