@@ -10,7 +10,7 @@ ranks wait at a barrier, then they read the cached file.
 
 What shapes the stream of samples (the data, seed, sequence length, split, masking, vocab, binary head)
 is stored in every checkpoint: a resume with other values would silently point consumed_samples into
-another index, so it stops instead (checkpoint.check_data_stream)."""
+another index, so it stops instead (resume.check_data_stream)."""
 import hashlib
 import os
 

@@ -1,4 +1,4 @@
-"""The optimizer: AdamW on fp32 master weights, fp16 loss scaling, gradient clipping, the LR schedule.
+"""The optimizer: AdamW on fp32 master weights, fp16 loss scaling, the global grad norm and clipping.
 
 Mixed precision the Megatron way. With --bf16 or --fp16 the model's parameters are 16-bit, so the
 forward and backward run at 16-bit speed; the optimizer keeps an fp32 *master* copy of every parameter
@@ -17,10 +17,9 @@ updates everything; with --use-distributed-optimizer rank r updates only shard r
 all-gathered afterwards. With fp32 the master pieces are views of the parameters themselves (nothing is
 copied); with 16-bit parameters they are views of one fp32 copy of the shard.
 
-fp16 has a small range (max 65504, smallest normal 6e-5), so small gradients underflow to 0. The loss is
-multiplied by a large scale S before backward (every gradient is then S times larger) and the gradients
-are divided by S before the update. If S is too large, a gradient overflows to inf: the step is skipped
-and S shrinks; after many clean steps S grows again (DynamicLossScaler). bf16 has fp32's range: no scaling.
+fp16 needs its loss scaled so that small gradients do not underflow; the scale comes from
+minibert/loss_scale.py (DynamicLossScaler), and the optimizer divides the gradients by it before use.
+The LR schedule is minibert/lr_schedule.py.
 
 Non-finite numbers: a step whose grad norm (or, under fp16, whose loss) is not finite never reaches the
 weights. Under fp16 an infinite gradient with a finite loss is an *overflow*: the step is skipped and
@@ -38,55 +37,9 @@ from collections import namedtuple
 import torch
 import torch.distributed as dist
 
-from minibert.errors import UsageError
+from minibert.loss_scale import DynamicLossScaler
 from minibert.parallel.data_parallel import DataParallelGrads, finalize_gradients
 from minibert.parallel.state import ParallelState
-
-
-class DynamicLossScaler:
-    """fp16 loss scale with Megatron's DynamicGradScaler rules:
-
-    - an overflow (inf/NaN in a gradient) resets the clean-step count and uses up one unit of
-      hysteresis; once hysteresis is used up, every further overflow halves the scale (never below
-      min_scale). The first `hysteresis - 1` overflows of a run of bad steps leave the scale alone.
-    - `growth_interval` clean steps in a row double the scale and restore the hysteresis.
-
-    Example with hysteresis 2: overflow (keep S), overflow (S/2), overflow (S/4), 1000 clean (2x)."""
-
-    def __init__(self, initial_scale=2.0 ** 32, min_scale=1.0, growth_interval=1000, hysteresis=2,
-                 growth_factor=2.0, backoff_factor=0.5):
-        assert 0 < min_scale <= initial_scale and growth_factor > 1 and 0 < backoff_factor < 1
-        assert growth_interval > 0 and hysteresis > 0
-        self.scale = float(initial_scale)
-        self.min_scale = float(min_scale)
-        self.growth_interval = growth_interval   # clean steps before the scale doubles
-        self.hysteresis = hysteresis             # overflows tolerated before the scale halves
-        self.growth_factor = growth_factor
-        self.backoff_factor = backoff_factor
-        self.growth_tracker = 0                  # clean steps in a row
-        self.hysteresis_tracker = hysteresis     # overflows left before backing off
-
-    def update(self, found_inf: bool):
-        if found_inf:
-            self.growth_tracker = 0
-            self.hysteresis_tracker -= 1
-            if self.hysteresis_tracker <= 0:
-                self.scale = max(self.scale * self.backoff_factor, self.min_scale)
-        else:
-            self.growth_tracker += 1
-            if self.growth_tracker == self.growth_interval:
-                self.growth_tracker = 0
-                self.hysteresis_tracker = self.hysteresis
-                self.scale = self.scale * self.growth_factor
-
-    def state_dict(self):
-        return {"scale": self.scale, "growth_tracker": self.growth_tracker,
-                "hysteresis_tracker": self.hysteresis_tracker}
-
-    def load_state_dict(self, state):
-        self.scale = float(state["scale"])
-        self.growth_tracker = int(state["growth_tracker"])
-        self.hysteresis_tracker = int(state["hysteresis_tracker"])
 
 
 def no_weight_decay(name: str, param: torch.Tensor) -> bool:
@@ -302,85 +255,6 @@ def _cut(saved_entries, key, start, end):
         raise KeyError(f"the checkpoint's optimizer covers {cut.numel()} of elements [{start}, {end}) of a "
                        f"parameter ({key}): a shard file is missing")
     return cut
-
-
-class OptimizerParamScheduler:
-    """The LR schedule of Megatron's OptimizerParamScheduler, counted in samples (as Megatron does
-    when training by iterations: one step() per successful update adds the global batch size).
-
-        lr
-        max |      /‾‾‾‾‾‾‾‾\\                 warmup: init_lr + (max - init) * n / warmup
-            |     /          \\                linear: min + (max - min) * (1 - r)
-            |    /            \\               cosine: min + (max - min) * (1 + cos(pi r)) / 2
-        min |   /               ‾‾‾‾‾‾‾‾‾     r = (n - warmup) / (decay - warmup); n > decay: min
-            +---+------+----------+------> n (samples)
-            0  warmup            decay
-
-    The first update runs at n = 0, i.e. at init_lr (0 by default) when there is a warmup."""
-
-    def __init__(self, optimizer, *, max_lr, min_lr, warmup_steps, decay_steps, decay_style,
-                 init_lr=0.0):
-        if not 0.0 <= min_lr <= max_lr:
-            raise UsageError(f"--min-lr {min_lr} must be between 0 and --lr {max_lr}")
-        if decay_steps <= 0 or warmup_steps >= decay_steps:
-            raise UsageError("the LR warmup must be shorter than --lr-decay-iters: lower "
-                             "--lr-warmup-iters / --lr-warmup-fraction or raise --lr-decay-iters")
-        self.optimizer = optimizer
-        self.max_lr, self.min_lr, self.init_lr = float(max_lr), float(min_lr), float(init_lr)
-        self.warmup_steps = warmup_steps
-        self.decay_steps = decay_steps
-        self.decay_style = decay_style
-        self.num_steps = 0
-        self.step(0)
-
-    def get_lr(self) -> float:
-        n = self.num_steps
-        if self.warmup_steps > 0 and n <= self.warmup_steps:
-            return self.init_lr + (self.max_lr - self.init_lr) * float(n) / float(self.warmup_steps)
-        if self.decay_style == "constant":
-            return self.max_lr
-        if n > self.decay_steps:
-            return self.min_lr
-        ratio = float(n - self.warmup_steps) / float(self.decay_steps - self.warmup_steps)
-        if self.decay_style == "linear":
-            coeff = 1.0 - ratio
-        elif self.decay_style == "cosine":
-            coeff = 0.5 * (math.cos(math.pi * ratio) + 1.0)
-        else:
-            raise UsageError(f"--lr-decay-style {self.decay_style!r}: use linear, cosine or constant")
-        return self.min_lr + coeff * (self.max_lr - self.min_lr)
-
-    def step(self, increment: int):
-        """Advance by `increment` samples and set the LR of every parameter group."""
-        self.num_steps += increment
-        lr = self.get_lr()
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-
-    def state_dict(self):
-        return {"max_lr": self.max_lr, "min_lr": self.min_lr, "lr_warmup_steps": self.warmup_steps,
-                "lr_decay_steps": self.decay_steps, "lr_decay_style": self.decay_style,
-                "num_steps": self.num_steps}
-
-    def load_state_dict(self, state):
-        """Resume the step count; the schedule's shape comes from the current flags (as Megatron's
-        --override-opt_param-scheduler), so a run can be extended. Returns the settings that differ."""
-        differ = [k for k, v in self.state_dict().items() if k != "num_steps" and state.get(k) != v]
-        self.num_steps = 0
-        self.step(int(state["num_steps"]))
-        return differ
-
-
-def build_scheduler(optimizer, cfg) -> OptimizerParamScheduler:
-    """Megatron's iteration flags turned into sample counts (x global batch size)."""
-    decay_steps = cfg.lr_decay_iters * cfg.global_batch_size
-    if cfg.lr_warmup_fraction is not None:
-        warmup_steps = cfg.lr_warmup_fraction * decay_steps
-    else:
-        warmup_steps = cfg.lr_warmup_iters * cfg.global_batch_size
-    return OptimizerParamScheduler(optimizer, max_lr=cfg.lr, min_lr=cfg.min_lr,
-                                   warmup_steps=warmup_steps, decay_steps=decay_steps,
-                                   decay_style=cfg.lr_decay_style)
 
 
 def build_optimizer(model_chunks, cfg, state: ParallelState = None, shared_embedding=None) -> MixedPrecisionOptimizer:

@@ -162,7 +162,7 @@ def repad_vocab(full: dict, vocab_size: int, padded_vocab_size: int):
 
 # ---------------------------------------------------------------- the target layout
 def target_args(args: dict, tp, pp, vp_layers=None, first=None, last=None) -> dict:
-    """The source's args with the target layout (the resumed run checks these: checkpoint.check_layout)."""
+    """The source's args with the target layout (the resumed run checks these: resume.check_layout)."""
     layout = dict(zip(TARGET_FLAGS, (tp, pp, vp_layers, first, last)))
     return {**args, **layout, "sequence_parallel": args.get("sequence_parallel", False) and tp > 1}
 

@@ -32,13 +32,14 @@ if __package__ in (None, ""):  # run as a script from a checkout: make `minibert
 import numpy as np
 import torch
 
-from minibert import checkpoint
+from minibert import checkpoint, resume
 from minibert.batches import (BATCH_KEYS, MicroBatchSampler, build_data_iterator, build_datasets,  # noqa: F401
                               data_stream, get_batch)
 from minibert.config import parse_args, validate
 from minibert.errors import UsageError, exit_on_usage_error
 from minibert.model import BertModel, init_parameters, pretraining_loss
-from minibert.optim import build_optimizer, build_scheduler
+from minibert.lr_schedule import build_scheduler
+from minibert.optim import build_optimizer
 from minibert.parallel import faults
 from minibert.parallel.pipeline import (Pipeline, forward_backward_no_pipelining, forward_backward_pipelining,
                                        forward_pipelining)
@@ -46,6 +47,7 @@ from minibert.parallel.rng import TENSOR_PARALLEL_SEED_OFFSET, TensorParallelRNG
 from minibert.parallel.schedules import layer_ranges
 from minibert.parallel.state import ParallelState
 from minibert.parallel.tensor_parallel import apply_tensor_parallel
+from minibert.profiling import Profiler
 from minibert.training_log import IntervalStats, TrainingLogger, reduce_over_data_parallel
 
 
@@ -297,19 +299,19 @@ def _train(cfg, state, on_log) -> TrainResult:
     saved = cfg.load and checkpoint.load_checkpoint(cfg.load, tp_rank=state.tp_rank, pp_rank=state.pp_rank,
                                                     pp_size=state.pp)
     if saved:
-        iteration, consumed_train, consumed_valid = checkpoint.restore_training_state(
+        iteration, consumed_train, consumed_valid = resume.restore_training_state(
             saved, cfg, model, optimizer, scheduler, data_stream=stream,
             warn=warn if state.rank == 0 else (lambda m: None))
         logger.print(f"loaded checkpoint {cfg.load} at iteration {iteration}")
     train_iterator = build_data_iterator(train_ds, consumed_train, cfg, state.device, state)
     valid_iterator = build_data_iterator(valid_ds, consumed_valid, cfg, state.device, state)
     if saved and iteration > 0 and not cfg.no_load_rng:  # last: building the iterators draws from torch's generator
-        checkpoint.set_rng_state(saved["rng_state"][0])
+        resume.set_rng_state(saved["rng_state"][0])
         state.rng.load_state_dict(saved["rng_state"][0]["tensor_parallel"])
     do_valid = valid_iterator is not None and cfg.eval_iters > 0
 
     def save():
-        rng_state = {**checkpoint.get_rng_state(), "tensor_parallel": state.rng.state_dict()}
+        rng_state = {**resume.get_rng_state(), "tensor_parallel": state.rng.state_dict()}
         rank_state = checkpoint.training_state(cfg, iteration, model, optimizer, scheduler, consumed_train,
                                                consumed_valid, data_stream=stream, rng_state=rng_state)
         path = checkpoint.save(cfg.save, iteration, state, rank_state, cfg.use_distributed_optimizer)
@@ -371,40 +373,6 @@ def _train(cfg, state, on_log) -> TrainResult:
             run_evaluation(build_data_iterator(test_ds, 0, cfg, state.device, state), "test set")
     logger.close()
     return TrainResult(model, optimizer, scheduler, iteration, consumed_train, consumed_valid, logger.history)
-
-
-class Profiler:
-    """--profile: torch.profiler over iterations [--profile-step-start, --profile-step-end) (Megatron's
-    flags, counted from 0 like its loop), written as a Chrome trace (chrome://tracing, Perfetto, or
-    TensorBoard's profiler tab) per rank, and its top 15 operations by device time printed by the
-    logging rank: where the step's time goes."""
-
-    def __init__(self, cfg, state):
-        self.cfg, self.state, self.active = cfg, state, None
-
-    def at(self, iteration, end=False):
-        cfg = self.cfg
-        if not cfg.profile:
-            return
-        if self.active is None and not end and iteration == cfg.profile_step_start:
-            activities = [torch.profiler.ProfilerActivity.CPU]
-            if self.state.device.type == "cuda":
-                activities.append(torch.profiler.ProfilerActivity.CUDA)
-            self.active = torch.profiler.profile(activities=activities)
-            self.active.__enter__()
-        elif self.active is not None and (end or iteration == cfg.profile_step_end):
-            if self.state.device.type == "cuda":
-                torch.cuda.synchronize()
-            self.active.__exit__(None, None, None)
-            directory = cfg.tensorboard_dir or "profile"
-            os.makedirs(directory, exist_ok=True)
-            path = os.path.join(directory, f"profile_rank{self.state.rank}_iter{cfg.profile_step_start}.json")
-            self.active.export_chrome_trace(path)
-            if self.state.is_logging_rank:
-                key = "self_cuda_time_total" if self.state.device.type == "cuda" else "self_cpu_time_total"
-                print(self.active.key_averages().table(sort_by=key, row_limit=15), flush=True)
-                print(f"profile of iterations [{cfg.profile_step_start}, {iteration}) written to {path}", flush=True)
-            self.active = None
 
 
 def nan_stop_message(cfg, iteration, last_saved) -> str:

@@ -6,11 +6,12 @@ import numpy as np
 import pytest
 import torch
 
-from minibert import checkpoint
+from minibert import checkpoint, resume
 from minibert.config import Config
 from minibert.errors import UsageError, exit_on_usage_error
 from minibert.model import BertModel
-from minibert.optim import build_optimizer, build_scheduler
+from minibert.lr_schedule import build_scheduler
+from minibert.optim import build_optimizer
 
 
 def tiny_setup(**overrides):
@@ -54,8 +55,8 @@ def test_full_state_loads_with_weights_only_and_restores(tmp_path):
 
     loaded = checkpoint.load_checkpoint(str(tmp_path))
     cfg2, model2, optimizer2, scheduler2 = tiny_setup()
-    assert checkpoint.restore_training_state(loaded, cfg2, model2, optimizer2, scheduler2) == (3, 6, 4)
-    checkpoint.set_rng_state(loaded["rng_state"][0])
+    assert resume.restore_training_state(loaded, cfg2, model2, optimizer2, scheduler2) == (3, 6, 4)
+    resume.set_rng_state(loaded["rng_state"][0])
     assert (random.random(), np.random.rand()) == expected_draws[:2]
     assert torch.equal(torch.rand(2), expected_draws[2])
     for a, b in zip(model.state_dict().values(), model2.state_dict().values()):
@@ -147,5 +148,5 @@ def test_model_shape_mismatch_is_a_usage_error(tmp_path):
                                                                           scheduler, 2, 0))
     cfg2, model2, optimizer2, scheduler2 = tiny_setup(hidden_size=32)
     with pytest.raises(UsageError, match="--hidden-size 16"):
-        checkpoint.restore_training_state(checkpoint.load_checkpoint(str(tmp_path)), cfg2, model2,
+        resume.restore_training_state(checkpoint.load_checkpoint(str(tmp_path)), cfg2, model2,
                                           optimizer2, scheduler2)

@@ -1,5 +1,5 @@
-"""minibert.optim against its oracles: megatron-core's LR scheduler and loss scaler, PyTorch's AdamW
-and clip_grad_norm_; plus the fp16 skip / bf16 master-weight behaviour on small models."""
+"""minibert.optim, lr_schedule and loss_scale against their oracles: megatron-core's LR scheduler and loss
+scaler, PyTorch's AdamW and clip_grad_norm_; plus the fp16 skip / bf16 master-weight behaviour on small models."""
 import io
 import random
 
@@ -10,8 +10,9 @@ import torch.nn as nn
 from minibert.config import Config
 from minibert.errors import UsageError
 from minibert.model import BertModel
-from minibert.optim import (DynamicLossScaler, MixedPrecisionOptimizer, OptimizerParamScheduler,
-                            build_optimizer, build_scheduler)
+from minibert.loss_scale import DynamicLossScaler
+from minibert.lr_schedule import OptimizerParamScheduler, build_scheduler
+from minibert.optim import MixedPrecisionOptimizer, build_optimizer
 from minibert.parallel.data_parallel import DataParallelGrads
 from minibert.parallel.state import ParallelState
 

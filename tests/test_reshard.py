@@ -20,7 +20,8 @@ import torch
 from minibert import checkpoint, convert, reshard
 from minibert.config import Config
 from minibert.model import BertModel
-from minibert.optim import build_optimizer, build_scheduler
+from minibert.lr_schedule import build_scheduler
+from minibert.optim import build_optimizer
 from tests import launch
 
 WORD = "embedding.word_embeddings.weight"

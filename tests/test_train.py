@@ -1,6 +1,7 @@
 """The trainer end to end on CPU: tiny BERTs trained on a little real English (minibert.corpus) through
 the command line, as a user runs it. A small vocab (the corpus's most frequent WordPieces) keeps the
 LM head cheap enough for a 2-core machine."""
+import json
 import os
 import re
 import subprocess
@@ -182,14 +183,21 @@ def test_fp16_on_cpu_warns_once_and_runs_fp32(data):
     assert all(v.dtype == torch.float32 for v in saved["model"].values() if v.is_floating_point())
 
 
-def test_bf16_on_cpu_through_the_python_api(data):
-    """The notebook's entry point: train(cfg, on_log=...) in-process, bf16 with fp32 masters."""
+def test_bf16_on_cpu_through_the_python_api(data, tmp_path, capsys):
+    """The notebook's entry point: train(cfg, on_log=...) in-process, bf16 with fp32 masters; with
+    --profile over iterations [1, 3): a Chrome trace per rank and the top-operations table."""
     records = []
     cfg = Config(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=32, micro_batch_size=4,
                  global_batch_size=8, train_iters=4, lr=3e-3, lr_warmup_iters=1, data_path=[data["prefix"]],
                  vocab_file=data["vocab"], split="90,5,5", num_workers=0, eval_iters=1, eval_interval=2,
-                 log_interval=2, bf16=True, distributed_backend="gloo")
+                 log_interval=2, bf16=True, distributed_backend="gloo", profile=True, profile_step_start=1,
+                 profile_step_end=3, tensorboard_dir=str(tmp_path))
     result = train(cfg, on_log=records.append)
+    trace_path = tmp_path / "profile_rank0_iter1.json"
+    assert f"profile of iterations [1, 3) written to {trace_path}" in capsys.readouterr().out
+    with open(trace_path) as f:
+        names = {event.get("name") for event in json.load(f)["traceEvents"]}
+    assert "Optimizer.step#AdamW.step" in names and {"aten::mm", "aten::addmm"} & names, sorted(names)[:20]
     assert [r["kind"] for r in records] == ["train", "validation", "train", "validation", "validation", "test"]
     assert all(torch.isfinite(torch.tensor(r["lm loss"])) for r in records)
     assert result.iteration == 4 and result.consumed_train_samples == 32
