@@ -16,11 +16,7 @@ import time
 
 import pytest
 
-nbformat = pytest.importorskip("nbformat")
-nbclient = pytest.importorskip("nbclient")
-pytest.importorskip("ipykernel")
-from jupyter_client.kernelspec import KernelSpec  # noqa: E402  (installed with nbclient)
-from jupyter_client.manager import KernelManager  # noqa: E402
+from tests import notebooks  # noqa: E402  (skips this module without nbformat, nbclient, ipykernel)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOTEBOOK = os.path.join(ROOT, "notebooks", "single_gpu_lesson.ipynb")
@@ -44,15 +40,6 @@ print({STATE_MARKER!r} + json.dumps({{
 """
 
 
-class ThisPythonKernelManager(KernelManager):
-    """A kernel run by the interpreter running the tests (with its ipykernel and torch)."""
-
-    @property
-    def kernel_spec(self):
-        return KernelSpec(argv=[sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
-                          display_name="minibert tests", language="python")
-
-
 def cell_text(cell):
     """All text a code cell printed (streams and text/plain results)."""
     parts = []
@@ -65,11 +52,7 @@ def cell_text(cell):
 
 
 def test_committed_notebook_has_no_outputs():
-    nb = nbformat.read(NOTEBOOK, as_version=4)
-    nbformat.validate(nb)
-    code_cells = [cell for cell in nb.cells if cell.cell_type == "code"]
-    assert code_cells, "the lesson has no code cells"
-    dirty = [i for i, cell in enumerate(code_cells) if cell.outputs or cell.execution_count is not None]
+    dirty = notebooks.dirty_cells(NOTEBOOK)
     assert not dirty, f"code cells {dirty} have outputs or execution counts: clear them before committing"
 
 
@@ -79,34 +62,18 @@ def executed(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("notebook")
     out_dir = tmp / "out"
     runs_before = os.path.exists(os.path.join(ROOT, "runs", "notebook"))
-    notebooks_before = set(os.listdir(os.path.join(ROOT, "notebooks")))
 
-    nb = nbformat.read(NOTEBOOK, as_version=4)
-    nb.cells.append(nbformat.v4.new_code_cell(PROBE))
-    env = {"MINIBERT_NOTEBOOK_QUICK": "1", "MINIBERT_NOTEBOOK_OUT": str(out_dir),
-           "OMP_NUM_THREADS": "1",                  # one thread per process: the CI machine has 2 cores
-           "IPYTHONDIR": str(tmp / "ipython")}      # the kernel's history database stays out of $HOME
-    saved = {key: os.environ.get(key) for key in env}
-    os.environ.update(env)  # the kernel process inherits this environment
-    try:
-        client = nbclient.NotebookClient(
-            nb, timeout=CELL_TIMEOUT_S, kernel_manager_class=ThisPythonKernelManager,
-            resources={"metadata": {"path": os.path.join(ROOT, "notebooks")}})  # run where Jupyter would
-        start = time.perf_counter()
-        client.execute()  # raises CellExecutionError, naming the cell, if any cell fails
-        seconds = time.perf_counter() - start
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+    nb = notebooks.read(NOTEBOOK)
+    nb.cells.append(notebooks.nbformat.v4.new_code_cell(PROBE))
+    start = time.perf_counter()
+    notebooks.execute(nb, tmp, CELL_TIMEOUT_S,
+                      env={"MINIBERT_NOTEBOOK_QUICK": "1", "MINIBERT_NOTEBOOK_OUT": str(out_dir)})
+    seconds = time.perf_counter() - start
 
     probe_lines = [line for line in cell_text(nb.cells[-1]).splitlines() if line.startswith(STATE_MARKER)]
     assert len(probe_lines) == 1, cell_text(nb.cells[-1])
     state = json.loads(probe_lines[0][len(STATE_MARKER):])
     assert os.path.exists(os.path.join(ROOT, "runs", "notebook")) == runs_before, "wrote into runs/notebook"
-    assert set(os.listdir(os.path.join(ROOT, "notebooks"))) == notebooks_before, "left files in notebooks/"
     print(f"\nnotebook executed in {seconds:.1f} s")
     return nb, state, seconds, out_dir
 

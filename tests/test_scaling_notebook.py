@@ -18,12 +18,9 @@ import sys
 
 import pytest
 
-nbformat = pytest.importorskip("nbformat")
-nbclient = pytest.importorskip("nbclient")
-pytest.importorskip("ipykernel")
 pytest.importorskip("matplotlib")
-from jupyter_client.kernelspec import KernelSpec  # noqa: E402  (installed with nbclient)
-from jupyter_client.manager import KernelManager  # noqa: E402
+from tests import notebooks  # noqa: E402  (skips this module without nbformat, nbclient, ipykernel)
+from tests.notebooks import outputs_of  # noqa: E402
 
 from minibert import plan  # noqa: E402
 
@@ -32,59 +29,15 @@ NOTEBOOK = os.path.join(ROOT, "notebooks", "scaling_memory.ipynb")
 CELL_TIMEOUT_S = 120  # each cell takes about a second; a hang fails instead of blocking CI
 
 
-class ThisPythonKernelManager(KernelManager):
-    """A kernel run by the interpreter running the tests."""
-
-    @property
-    def kernel_spec(self):
-        return KernelSpec(argv=[sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
-                          display_name="minibert tests", language="python")
-
-
-def outputs_of(nb, output_type=None):
-    return [output for cell in nb.cells if cell.cell_type == "code" for output in cell.outputs
-            if output_type is None or output.output_type == output_type]
-
-
 def test_committed_notebook_has_no_outputs():
-    nb = nbformat.read(NOTEBOOK, as_version=4)
-    nbformat.validate(nb)
-    dirty = [i for i, cell in enumerate(nb.cells)
-             if cell.cell_type == "code" and (cell.outputs or cell.execution_count is not None)]
-    assert not dirty, f"cells {dirty} have outputs or execution counts: clear them before committing"
+    dirty = notebooks.dirty_cells(NOTEBOOK)
+    assert not dirty, f"code cells {dirty} have outputs or execution counts: clear them before committing"
 
 
 @pytest.fixture(scope="module")
 def executed(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("scaling_notebook")
-    files_before = repository_files()
-    env = {"OMP_NUM_THREADS": "1",
-           "IPYTHONDIR": str(tmp / "ipython"),      # the kernel's history database stays out of $HOME
-           "MPLCONFIGDIR": str(tmp / "matplotlib")}  # and so does matplotlib's font cache
-    saved = {key: os.environ.get(key) for key in env}
-    os.environ.update(env)  # the kernel process inherits this environment
-    try:
-        nb = nbformat.read(NOTEBOOK, as_version=4)
-        nbclient.NotebookClient(nb, timeout=CELL_TIMEOUT_S, kernel_manager_class=ThisPythonKernelManager,
-                                resources={"metadata": {"path": os.path.join(ROOT, "notebooks")}}).execute()
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-    new = repository_files() - files_before
-    assert not new, f"the notebook left files behind: {sorted(new)[:10]}"
-    return nb
-
-
-def repository_files():
-    """Every file under the repository root but git's folder, the virtual environment and Python's caches."""
-    found = set()
-    for folder, subfolders, files in os.walk(ROOT):
-        subfolders[:] = [d for d in subfolders if d not in (".git", ".venv", "__pycache__", ".pytest_cache")]
-        found |= {os.path.relpath(os.path.join(folder, name), ROOT) for name in files}
-    return found
+    return notebooks.execute(notebooks.read(NOTEBOOK), tmp, CELL_TIMEOUT_S)
 
 
 def test_notebook_draws_the_breakdowns(executed):
@@ -97,9 +50,8 @@ def test_notebook_draws_the_breakdowns(executed):
 @pytest.fixture(scope="module")
 def printed(executed):
     """What the notebook printed, each run of spaces one space (the columns' widths aside)."""
-    text = "".join(output.get("text", "") for output in outputs_of(executed, "stream"))
-    assert os.path.realpath(sys.executable) in {os.path.realpath(line.split()[-1]) for line in
-                                                text.splitlines() if line.startswith("python:")}
+    text = notebooks.stream_text(executed)
+    assert os.path.realpath(sys.executable) in notebooks.printed_executables(executed)
     return " ".join(text.split())
 
 
