@@ -185,7 +185,7 @@ def check_target(args: dict):
 
 
 def stage_shapes(cfg, pp_rank) -> dict:
-    """name -> full shape of what pipeline rank `pp_rank` holds: the model chunks train.build_model
+    """name -> full shape of what pipeline rank `pp_rank` holds: the model chunks build.build_model
     builds there, built here on the meta device (names and shapes, no memory)."""
     from minibert.model import BertModel
     vp, pp = cfg.virtual_pipeline_size, cfg.pipeline_model_parallel_size
@@ -226,7 +226,7 @@ def target_rng(source: Source, tp, tp_rank, pp_rank, seed) -> dict:
     rng = dict(source.files[(0, p)]["rng_state"][0])  # python, numpy, torch, cuda: equal on every TP rank
     if tp == source.tp:
         rng["tensor_parallel"] = source.files[(tp_rank, p)]["rng_state"][0]["tensor_parallel"]
-    else:  # restarted from its seed, as train.set_random_seed seeds it
+    else:  # restarted from its seed, as build.set_random_seed seeds it
         seed = seed + 100 * pp_rank + TENSOR_PARALLEL_SEED_OFFSET + tp_rank
         rng["tensor_parallel"] = TensorParallelRNG(seed, torch.device("cpu")).state_dict()
     return rng

@@ -15,38 +15,32 @@ One process or many: `python minibert/train.py ...` is a run of world size 1, an
 the rank grid; data_parallel: the gradient averaging). `python minibert/train.py --help` lists the flags
 (Megatron's names and defaults, minibert/config.py). The notebook imports the pieces:
 build_model_and_optimizer, get_batch, forward_step, train_step, evaluate, train. What gets printed and
-written to TensorBoard (and the FLOP count behind MFU) is in training_log.py; the data in batches.py.
+written to TensorBoard (and the FLOP count behind MFU) is in training_log.py; the data in batches.py; this
+rank's model, optimizer and generators in build.py.
 
 Performance: the loop waits for the GPU once per step (the skip decision on a non-finite grad norm must
 reach the host) and at the log lines. Batches come from pinned memory and are copied without blocking."""
 import functools
 import gc
 import os
-import random
 import sys
 from dataclasses import dataclass, field
 
 if __package__ in (None, ""):  # run as a script from a checkout: make `minibert` importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import numpy as np
 import torch
 
 from minibert import checkpoint, resume
 from minibert.batches import (BATCH_KEYS, MicroBatchSampler, build_data_iterator, build_datasets,  # noqa: F401
                               data_stream, get_batch)
+from minibert.build import as_chunks, as_state, build_model_and_optimizer, build_pipeline, set_random_seed
 from minibert.config import parse_args, validate
 from minibert.errors import UsageError, exit_on_usage_error
-from minibert.model import BertModel, init_parameters, pretraining_loss
-from minibert.lr_schedule import build_scheduler
-from minibert.optim import build_optimizer
+from minibert.model import pretraining_loss
 from minibert.parallel import faults
-from minibert.parallel.pipeline import (Pipeline, forward_backward_no_pipelining, forward_backward_pipelining,
-                                       forward_pipelining)
-from minibert.parallel.rng import TENSOR_PARALLEL_SEED_OFFSET, TensorParallelRNG
-from minibert.parallel.schedules import layer_ranges
+from minibert.parallel.pipeline import forward_backward_no_pipelining, forward_backward_pipelining, forward_pipelining
 from minibert.parallel.state import ParallelState
-from minibert.parallel.tensor_parallel import apply_tensor_parallel
 from minibert.profiling import Profiler
 from minibert.training_log import IntervalStats, TrainingLogger, reduce_over_data_parallel
 
@@ -92,89 +86,7 @@ def use_checkpoint_args(cfg):
         cfg.seq_length = saved.get("seq_length")
 
 
-def set_random_seed(seed: int, state: ParallelState):
-    """Seeds python, numpy and torch (CPU and CUDA): dropout follows from them (the init does not: it is
-    drawn per parameter name). As Megatron, each pipeline stage gets seed + 100 x stage, and each
-    tensor-parallel rank a generator of its own for the dropout inside the tensor-parallel region
-    (minibert.parallel.rng)."""
-    seed = seed + 100 * state.pp_rank
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-    state.rng = TensorParallelRNG(seed + TENSOR_PARALLEL_SEED_OFFSET + state.tp_rank, state.device)
-
-
-def as_state(state_or_device) -> ParallelState:
-    """The notebook and tests may pass a device: that is a one-process grid on it."""
-    if isinstance(state_or_device, ParallelState):
-        return state_or_device
-    return ParallelState(device=torch.device(state_or_device))
-
-
-# ---------------------------------------------------------------- model and one step
-def compute_dtype(cfg):
-    return torch.float16 if cfg.fp16 else torch.bfloat16 if cfg.bf16 else torch.float32
-
-
-def build_model(cfg, state):
-    """This rank's part of the model: its pipeline stage's layers (one model chunk, or several with the
-    interleaved schedule: then a list), each built on the meta device (shapes only), tensor parallelism
-    applied (this rank's shards), then allocated on the device and initialised (each parameter drawn from
-    --seed and its name, so the weights are the one-process model's whatever the layout), cast to 16-bit."""
-    vp = cfg.virtual_pipeline_size
-    ranges = layer_ranges(cfg.num_layers, state.pp, vp, cfg.decoder_first_pipeline_num_layers,
-                          cfg.decoder_last_pipeline_num_layers)[state.pp_rank]
-    chunks = []
-    for c, layers in enumerate(ranges):
-        with torch.device("meta"):
-            chunk = BertModel(cfg, layer_numbers=layers, pre_process=state.is_first_stage and c == 0,
-                              post_process=state.is_last_stage and c == vp - 1, init=False)
-        apply_tensor_parallel(chunk, state, state.rng, cfg.sequence_parallel)
-        marks = {name: dict(vars(p)) for name, p in chunk.named_parameters()}  # which block each shard is
-        chunk.to_empty(device=state.device)  # makes new Parameter objects (without the marks) ...
-        for name, p in chunk.named_parameters():
-            vars(p).update(marks[name])  # ... so they are put back
-        init_parameters(chunk, cfg.seed)
-        chunks.append(chunk.to(compute_dtype(cfg)))
-    return chunks[0] if len(chunks) == 1 else chunks
-
-
-def as_chunks(model) -> list:
-    return model if isinstance(model, (list, tuple)) else [model]
-
-
-def tied_embedding(chunks, state):
-    """With pipelining, the word table of the first stage and its copy on the last (for the tied LM head)."""
-    if state.pp == 1:
-        return None
-    for chunk in (chunks[0], chunks[-1]):
-        if chunk.pre_process or chunk.post_process:
-            return chunk.embedding.word_embeddings.weight
-    return None
-
-
-def build_pipeline(cfg, state):
-    """The pipeline's schedule and exchange plan for this rank (None without pipelining)."""
-    if state.pp == 1:
-        return None
-    kind = "interleaved" if cfg.virtual_pipeline_size > 1 else cfg.pipeline_schedule
-    seq = cfg.seq_length // (state.tp if cfg.sequence_parallel else 1)
-    return Pipeline(state, kind, cfg.num_micro_batches, cfg.virtual_pipeline_size,
-                    (cfg.micro_batch_size, seq, cfg.hidden_size), compute_dtype(cfg), cfg.pipeline_trace)
-
-
-def build_model_and_optimizer(cfg, state):
-    """The model (build_model), AdamW with fp32 masters over the gradient buckets, and the LR scheduler.
-    `state`: a ParallelState or a device."""
-    state = as_state(state)
-    if state.rng is None:
-        set_random_seed(cfg.seed, state)
-    model = build_model(cfg, state)
-    optimizer = build_optimizer(model, cfg, state, tied_embedding(as_chunks(model), state))
-    scheduler = build_scheduler(optimizer, cfg)
-    return model, optimizer, scheduler
-
-
+# ---------------------------------------------------------------- one step
 def forward_step(batch, model, hidden_states, cfg):
     """One micro-batch through this model chunk -> (loss, metrics) on the stage with the heads: fp32
     device scalars lm loss / sop loss, and the micro-batch's model FLOPs and real tokens (host numbers,

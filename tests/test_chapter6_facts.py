@@ -27,7 +27,7 @@ def chapter_config(pp=1, **overrides):
 
 
 def stage_parameters(cfg, pp, init=False):
-    """[number of parameters of each stage], as train.build_model cuts the model (one chunk per rank)."""
+    """[number of parameters of each stage], as build.build_model cuts the model (one chunk per rank)."""
     ranges = layer_ranges(cfg.num_layers, pp, 1, cfg.decoder_first_pipeline_num_layers,
                           cfg.decoder_last_pipeline_num_layers)
     counts = []

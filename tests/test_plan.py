@@ -1,7 +1,7 @@
 """The planner (minibert/plan.py, plan_memory.py, plan_time.py) against the things it models.
 
 - parameters: the counts equal the models minibert really builds: BertModel(cfg) on the meta device for
-  the total, and train.build_model (tensor parallelism applied, per pipeline stage) for each rank;
+  the total, and build.build_model (tensor parallelism applied, per pipeline stage) for each rank;
 - activations: the per-layer formula equals the bytes autograd really saves for the backward (counted
   with saved_tensors_hooks on the CPU, local and flash attention, fp32 and bf16, dropout on and off);
 - micro-batches in flight, FLOPs and the bubble agree with schedules.py and training_log.py;
@@ -71,7 +71,7 @@ def fake_state(tp, pp, pp_rank):
                                          decoder_first_pipeline_num_layers=1, tensor_model_parallel_size=2,
                                          bert_no_binary_head=True, sequence_parallel=True)])
 def test_parameters_per_stage_equal_what_build_model_builds(layout, monkeypatch):
-    from minibert.train import build_model
+    from minibert.build import build_model
     monkeypatch.setattr(tp_layers, "_size", lambda group: 1 if group is None else group.size)
     monkeypatch.setattr(tp_layers, "_rank", lambda group: 0)
     tp, pp = layout.get("tensor_model_parallel_size", 1), layout["pipeline_model_parallel_size"]

@@ -17,7 +17,7 @@ from minibert.parallel import data_parallel, mappings  # noqa: E402
 from minibert.parallel.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,  # noqa: E402
                                       vocab_parallel_cross_entropy)
 from minibert.parallel.state import ParallelState  # noqa: E402
-from minibert.train import build_model, set_random_seed  # noqa: E402
+from minibert.build import build_model, set_random_seed  # noqa: E402
 
 torch.set_num_threads(1)
 tp = int(os.environ["WORLD_SIZE"])
