@@ -172,12 +172,6 @@ def all_reduce(tensor, group, op=dist.ReduceOp.SUM, async_op=False):
     return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
 
 
-def world_all_reduce(tensor, state: ParallelState, op=dist.ReduceOp.SUM):
-    """All-reduce over every rank of the run (None group in a one-process run)."""
-    if state.world_size > 1:
-        dist.all_reduce(tensor, op=op)
-
-
 def describe_grid(world_size: int, tp: int, pp: int) -> str:
     """The picture of the module docstring, for any sizes, and every group listed."""
     groups = rank_grid(world_size, tp, pp)
