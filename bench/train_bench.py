@@ -22,6 +22,8 @@ Sections (--sections picks them):
     3  BERT-base s128 b256, full-length batches (as section 1)
     4  make train-small's model (4 layers, 128 hidden, 8 heads, s128, micro 4, global 16) on Megatron
        samples of the default corpus: ms per train_step, fp32 as the Makefile runs it, and bf16
+    5  the fused kernels' gains: sections 1 and 3's minibert with --no-bias-dropout-fusion, with
+       --no-cross-entropy-loss-fusion and with both (skipped on the CPU, where the plain ops always run)
 
 Model FLOPs (docs/measuring.md): F = 72 l h^2 + 12 l s h + 6 r (h V + h^2) per token, r = 1, V = the padded vocab,
 with padding only real tokens count and sum(L_i^2) replaces s^2 (minibert.training_log.model_flops: the
@@ -64,7 +66,8 @@ SHAPES = {"large": ((24, 1024, 16, 512, 32), (2, 64, 4, 64, 4)),
           "small": ((4, 128, 8, 128, 4), (4, 128, 8, 128, 4))}
 SMALL_GLOBAL_BATCH = 16  # make train-small's --global-batch-size (4 micro-batches per step)
 TITLES = {1: "BERT-large s512 b32, full-length batches", 2: "BERT-large s512 b32, padded batches",
-          3: "BERT-base s128 b256, full-length batches", 4: "make train-small's model, ms per iteration"}
+          3: "BERT-base s128 b256, full-length batches", 4: "make train-small's model, ms per iteration",
+          5: "the fused kernels, each turned off"}
 
 
 @dataclass
@@ -362,7 +365,43 @@ def section_4(settings):
                                   f"this device, as make train-small)")])
 
 
-SECTIONS = {1: section_1, 2: section_2, 3: section_3, 4: section_4}
+# Section 5: what each fused kernel buys, the trainer with it and without it (its plain twin), same batches.
+LEVERS = {  # contender -> the flags it turns off
+    "minibert (all fusions)": {},
+    "minibert --no-bias-dropout-fusion": {"bias_dropout_fusion": False},
+    "minibert --no-cross-entropy-loss-fusion": {"cross_entropy_loss_fusion": False},
+    "minibert, both off (the plain twins)": {"bias_dropout_fusion": False, "cross_entropy_loss_fusion": False},
+}
+
+
+def section_5(settings):
+    """BERT-large and BERT-base full-length: seq/s with every lever, without each, without both."""
+    if settings.device.type == "cpu":  # the fused kernels run on a GPU only: on the CPU all four are one path
+        print("  levers: skipped on the CPU (the fused kernels run only on a GPU in fp16/bf16)", flush=True)
+        return []
+    rows = []
+    for name in ("large", "base"):
+        cfg = minibert_config(name, settings)
+        layers, hidden, heads, seq, micro = shape(name, settings)
+        label = f"{model_label(name, settings)} full-length"
+        prefix, _ = corpus_prefix("default", settings)
+        batches = stream_batches(prefix, batches_needed(cfg, settings), micro, seq, settings.device)
+        speed = {}
+        for lever, off in LEVERS.items():
+            result = measure("minibert", Config(**{**vars(cfg), **off}), batches, settings)
+            speed[lever] = result.samples / result.seconds
+            ms = 1e3 * result.seconds / result.steps
+            rows += print_rows([row(f"{label}: {lever}, seq/s", speed[lever], "seq/s",
+                                    f"{ms:.1f} ms/step; loss {result.loss:.3f}; peak "
+                                    f"{result.peak_bytes / 2 ** 30:.1f} GiB")])
+        full = speed["minibert (all fusions)"]
+        for lever in list(LEVERS)[1:]:
+            rows += print_rows([row(f"{label}: all fusions / {lever.replace('minibert ', '')}", full / speed[lever],
+                                    "x", "seq/s ratio: the gain of what that contender turns off")])
+    return rows
+
+
+SECTIONS = {1: section_1, 2: section_2, 3: section_3, 4: section_4, 5: section_5}
 
 
 # ---------------------------------------------------------------- entry points
@@ -394,7 +433,7 @@ def format_value(value):  # as bench/run.py writes its tables
     return str(value)
 
 
-def run(sections=(1, 2, 3, 4), quick=False, device="cuda", tiny=False, corpus=None, long_corpus=None,
+def run(sections=(1, 2, 3, 4, 5), quick=False, device="cuda", tiny=False, corpus=None, long_corpus=None,
         work_dir=None, command="make bench (bench/run.py)"):
     """The rows of the chosen sections; the first row records the versions, the device and the command."""
     device = torch.device(device)
@@ -438,7 +477,7 @@ def markdown(rows, title="Training throughput (bench/train_bench.py)"):
 @exit_on_usage_error
 def main(argv=None):
     parser = OneLineArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
-    parser.add_argument("--sections", default="1,2,3,4", help="comma-separated section numbers (1-4)")
+    parser.add_argument("--sections", default="1,2,3,4,5", help="comma-separated section numbers (1-5)")
     parser.add_argument("--quick", action="store_true", help=f"{STEPS['quick'][0]} warm-up + {STEPS['quick'][1]} "
                         f"timed steps per contender instead of {STEPS['full'][0]} + {STEPS['full'][1]}")
     parser.add_argument("--device", default="cuda", help="cuda (default) or cpu (with --tiny only)")
@@ -454,9 +493,9 @@ def main(argv=None):
     try:
         sections = sorted({int(s) for s in args.sections.split(",")})
     except ValueError:
-        raise UsageError(f"--sections {args.sections!r}: give numbers from 1 to 4, e.g. --sections 1,3") from None
+        raise UsageError(f"--sections {args.sections!r}: give numbers from 1 to 5, e.g. --sections 1,3") from None
     if not set(sections) <= set(SECTIONS):
-        raise UsageError(f"--sections {args.sections!r}: the sections are 1, 2, 3 and 4")
+        raise UsageError(f"--sections {args.sections!r}: the sections are 1, 2, 3, 4 and 5")
     command = "python bench/train_bench.py " + " ".join(sys.argv[1:] if argv is None else argv)
     rows = run(sections, args.quick, args.device, args.tiny, args.corpus, args.long_corpus, args.work_dir,
                command.strip())

@@ -31,6 +31,7 @@ its full shape (init_parameters). The weights then do not depend on which parame
 or in which order: a stage holding layers 6..11, or a rank holding half of every matrix, draws exactly
 the numbers of the one-process model."""
 import contextlib
+import functools
 from collections import namedtuple
 
 import torch
@@ -148,16 +149,33 @@ class TransformerLayer(nn.Module):
         self.mlp = MLP(config)
         self.dropout = config.hidden_dropout
         self.rng_context = contextlib.nullcontext  # sequence parallelism: each rank's own generator
+        self.fused = config.bias_dropout_fusion
+
+    def add_dropout_norm(self, x, y, layernorm=None):
+        """-> (x + drop(y), layernorm(x + drop(y)) or None): the residual add and the LayerNorm after it.
+
+        On a GPU in fp16/bf16 (and --bias-dropout-fusion, the default) one Triton kernel does all three,
+        reading x and y once and writing the sum and its normalised copy (minibert.kernels.layer_norm; its
+        dropout draws Philox numbers from a seed taken from torch's generator, so the dropped entries
+        differ from F.dropout's, not their distribution). Everywhere else: the plain ops, its twin."""
+        p = self.dropout if self.training else 0.0
+        with self.rng_context():
+            if self.fused and x.is_cuda and x.dtype in (torch.float16, torch.bfloat16):
+                from minibert.kernels.layer_norm import dropout_add_layer_norm
+                weight, bias = (None, None) if layernorm is None else (layernorm.weight, layernorm.bias)
+                eps = 0.0 if layernorm is None else layernorm.eps
+                return dropout_add_layer_norm(x, y, weight, bias, eps, p, None)
+            x = x + F.dropout(y, p, self.training)
+        return x, None if layernorm is None else layernorm(x)
 
     def forward(self, x, padding_mask, backend, packing=None):  # x [b, s, h] (packed: [n, h]) -> same
-        def drop(y):
-            with self.rng_context():
-                return F.dropout(y, self.dropout, self.training)
         if self.post_ln:
-            x = self.attention_layernorm(x + drop(self.self_attention(x, padding_mask, backend, packing)))
-            return self.mlp_layernorm(x + drop(self.mlp(x)))
-        x = x + drop(self.self_attention(self.attention_layernorm(x), padding_mask, backend, packing))
-        return x + drop(self.mlp(self.mlp_layernorm(x)))
+            _, x = self.add_dropout_norm(x, self.self_attention(x, padding_mask, backend, packing),
+                                         self.attention_layernorm)
+            return self.add_dropout_norm(x, self.mlp(x), self.mlp_layernorm)[1]
+        x, normed = self.add_dropout_norm(x, self.self_attention(self.attention_layernorm(x), padding_mask,
+                                                                 backend, packing), self.mlp_layernorm)
+        return self.add_dropout_norm(x, self.mlp(normed))[0]
 
 
 class TiedDecoder(nn.Module):
@@ -223,10 +241,17 @@ def _run_layers(layers, x, padding_mask, backend, packing=None):
     return x
 
 
-def lm_cross_entropy(logits, labels):
+def lm_cross_entropy(logits, labels, fused=False):
     """Per-position CE in fp32 (bf16/fp16 logits lose too much precision in the log-softmax): logits
     [n, vocab], labels [n] (-1: not a masked position) -> [n]. Tensor parallelism swaps in a vocab-parallel
-    cross entropy that takes logits [n, vocab / TP]."""
+    cross entropy that takes logits [n, vocab / TP].
+
+    fused=True (--cross-entropy-loss-fusion, the default) on a GPU with 16-bit logits: one Triton kernel
+    that reads the logits once and never makes their fp32 copy (minibert.kernels.cross_entropy), the same
+    numbers up to the order of fp32 sums; the line below is its plain twin."""
+    if fused and logits.is_cuda and logits.dtype in (torch.float16, torch.bfloat16):
+        from minibert.kernels.cross_entropy import fused_cross_entropy
+        return fused_cross_entropy(logits, labels)
     return F.cross_entropy(logits.float(), labels, ignore_index=-1, reduction="none")
 
 
@@ -255,7 +280,8 @@ class BertModel(nn.Module):
             self.lm_head = LMHead(config)
             self.pooler = nn.Linear(h, h) if config.binary_head else None
             self.binary_head = nn.Linear(h, 2) if config.binary_head else None
-        self.lm_cross_entropy = lm_cross_entropy  # swappable (vocab-parallel under TP)
+        # swappable (vocab-parallel under TP)
+        self.lm_cross_entropy = functools.partial(lm_cross_entropy, fused=config.cross_entropy_loss_fusion)
         # Where the layers' region starts and ends: identities here; sequence parallelism scatters the
         # sequence over the tensor-parallel ranks on the way in and gathers it on the way out.
         self.to_layers, self.from_layers = nn.Identity(), nn.Identity()

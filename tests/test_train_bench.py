@@ -47,6 +47,7 @@ def test_tiny_cpu_run_prints_every_section():
     setup = sections[0]
     assert setup[0][0] == "setup" and "transformers" in setup[0][1] and "torch" in setup[0][1]
     assert "HF compiled: skipped on the CPU" in result.stdout
+    assert "levers: skipped on the CPU" in result.stdout and sections.get(5) == []  # section 5 is GPU-only
     for number, expected in EXPECTED.items():
         rows = sections[number]
         for words, count in expected:

@@ -82,6 +82,61 @@ def test_whole_model_backends_against_local(dtype, backend):
     assert worst < 5e-2, worst
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("post_ln", [False, True], ids=["pre-LN", "post-LN"])
+def test_fused_layer_norm_and_cross_entropy_equal_their_plain_twins(dtype, post_ln):
+    """The whole model with --bias-dropout-fusion and --cross-entropy-loss-fusion (the defaults) against
+    both off, dropout 0: the same loss and gradients up to 16-bit rounding (the plain path rounds the
+    residual sum once more, before the add)."""
+    from minibert.config import Config
+    from minibert.model import BertModel, pretraining_loss
+    g = torch.Generator().manual_seed(2)
+    tokens = torch.randint(5, 1000, (4, 256), generator=g).cuda()
+    padding = (torch.arange(256)[None, :] >= torch.tensor([256, 180, 90, 40])[:, None]).cuda()
+    loss_mask = ((torch.rand(4, 256, generator=g) < 0.15).cuda() & ~padding).long()
+    labels = torch.where(loss_mask.bool(), tokens, -1)
+    is_random = torch.randint(0, 2, (4,), generator=g).cuda()
+    results = {}
+    for fused in (True, False):
+        cfg = Config(num_layers=2, hidden_size=256, num_attention_heads=4, seq_length=256, vocab_size=1000,
+                     hidden_dropout=0.0, attention_dropout=0.0, post_ln=post_ln, bias_dropout_fusion=fused,
+                     cross_entropy_loss_fusion=fused)
+        model = BertModel(cfg).cuda().to(dtype)
+        out = model(tokens, padding_mask=padding)
+        loss, _, _ = pretraining_loss(out, labels, loss_mask, is_random, cross_entropy=model.lm_cross_entropy)
+        loss.backward()
+        results[fused] = (loss.detach(), {n: p.grad.float() for n, p in model.named_parameters()})
+    (loss_a, grads_a), (loss_b, grads_b) = results[False], results[True]
+    assert abs(float(loss_a - loss_b)) / float(loss_a) < 5e-3
+    worst = max(rel(grads_b[n], grads_a[n]) for n in grads_a if grads_a[n].norm() > 0)
+    assert worst < 5e-2, worst
+
+
+def test_fused_hidden_dropout_follows_torch_seed():
+    """With hidden dropout on, the fused kernel's Philox seed comes from torch's generator: the same
+    torch.manual_seed gives the same loss and gradients, another seed other ones."""
+    from minibert.config import Config
+    from minibert.model import BertModel, pretraining_loss
+    g = torch.Generator().manual_seed(3)
+    tokens = torch.randint(5, 1000, (8, 128), generator=g).cuda()
+    loss_mask = (torch.rand(8, 128, generator=g) < 0.15).cuda().long()
+    labels = torch.where(loss_mask.bool(), tokens, -1)
+    is_random = torch.randint(0, 2, (8,), generator=g).cuda()
+    cfg = Config(num_layers=2, hidden_size=256, num_attention_heads=4, seq_length=128, vocab_size=1000,
+                 hidden_dropout=0.3, attention_dropout=0.0)
+    model = BertModel(cfg).cuda().to(torch.bfloat16).train()
+
+    def loss_for(seed):
+        torch.manual_seed(seed)
+        model.zero_grad(set_to_none=True)
+        loss = pretraining_loss(model(tokens), labels, loss_mask, is_random, cross_entropy=model.lm_cross_entropy)[0]
+        loss.backward()
+        return loss.item(), model.layers[0].mlp.dense_h_to_4h.weight.grad.clone()
+    (a, grad_a), (b, grad_b), (c, grad_c) = loss_for(5), loss_for(5), loss_for(6)
+    assert a == b and torch.equal(grad_a, grad_b)
+    assert a != c and not torch.equal(grad_a, grad_c)
+
+
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 def test_packed_micro_batches_equal_the_padded_twin_on_the_gpu(tmp_path, dtype):
     """Through the trainer's own pieces: the same loss from packed and padded micro-batches (flash, 16-bit)."""
