@@ -10,6 +10,9 @@ one call serves 8 keys of a query row, and compare each with a threshold t = rou
 then exactly t / 65536 (p rounded to a multiple of 1/65536), and kept values are scaled by
 1 / (1 - t/65536), so the expectation is exact. FlashAttention-2 uses 8-bit numbers (16 per call); on the
 H200 the 16-bit scheme took the fwd+bwd at dropout 0.1 from 1.40 ms (one call per element) to 0.70 ms.
+
+The fused dropout + residual + LayerNorm (kernels/layer_norm.py) draws its hidden-dropout mask with the
+same function: one stream (bh = 0) and the hidden size as the row width.
 """
 import torch
 import triton

@@ -55,27 +55,40 @@ def test_packed_qkv_flash_equals_plain_flash(dtype):
     assert torch.equal(out, reference) and torch.equal(qkv.grad, plain.grad)
 
 
+def padded_batch(seed, device="cuda"):
+    """4 samples of 256 tokens, real lengths 256/180/90/40, 15% of the real positions masked -> (tokens,
+    padding, loss_mask, labels, is_random), vocab 1000."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(5, 1000, (4, 256), generator=g)
+    padding = torch.arange(256)[None, :] >= torch.tensor([256, 180, 90, 40])[:, None]
+    loss_mask = ((torch.rand(4, 256, generator=g) < 0.15) & ~padding).long()
+    labels = torch.where(loss_mask.bool(), tokens, -1)
+    is_random = torch.randint(0, 2, (4,), generator=g)
+    return tuple(t.to(device) for t in (tokens, padding, loss_mask, labels, is_random))
+
+
+def loss_and_grads(model, batch):
+    """One forward and backward of the pretraining loss -> (loss, {name: fp32 grad})."""
+    from minibert.model import pretraining_loss
+    tokens, padding, loss_mask, labels, is_random = batch
+    out = model(tokens, padding_mask=padding)
+    loss, _, _ = pretraining_loss(out, labels, loss_mask, is_random, cross_entropy=model.lm_cross_entropy)
+    loss.backward()
+    return loss.detach(), {n: p.grad.float() for n, p in model.named_parameters()}
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
 @pytest.mark.parametrize("backend", ["fused", "flash"])
 def test_whole_model_backends_against_local(dtype, backend):
     from minibert.config import Config
-    from minibert.model import BertModel, pretraining_loss
+    from minibert.model import BertModel
     cfg = Config(num_layers=2, hidden_size=256, num_attention_heads=4, seq_length=256, vocab_size=1000,
                  hidden_dropout=0.0, attention_dropout=0.0)
-    g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(5, 1000, (4, 256), generator=g).cuda()
-    padding = (torch.arange(256)[None, :] >= torch.tensor([256, 180, 90, 40])[:, None]).cuda()
-    loss_mask = ((torch.rand(4, 256, generator=g) < 0.15).cuda() & ~padding).long()
-    labels = torch.where(loss_mask.bool(), tokens, -1)
-    is_random = torch.randint(0, 2, (4,), generator=g).cuda()
+    batch = padded_batch(0)
     results = {}
     for name in ("local", backend):
         cfg.attention_backend = name
-        model = BertModel(cfg).cuda().to(dtype)
-        out = model(tokens, padding_mask=padding)
-        loss, _, _ = pretraining_loss(out, labels, loss_mask, is_random)
-        loss.backward()
-        results[name] = (loss.detach(), {n: p.grad.float() for n, p in model.named_parameters()})
+        results[name] = loss_and_grads(BertModel(cfg).cuda().to(dtype), batch)
     (loss_a, grads_a), (loss_b, grads_b) = results["local"], results[backend]
     assert abs(float(loss_a - loss_b)) / float(loss_a) < 5e-3
     worst = max(rel(grads_b[n], grads_a[n]) for n in grads_a if grads_a[n].norm() > 0)
@@ -86,26 +99,17 @@ def test_whole_model_backends_against_local(dtype, backend):
 @pytest.mark.parametrize("post_ln", [False, True], ids=["pre-LN", "post-LN"])
 def test_fused_layer_norm_and_cross_entropy_equal_their_plain_twins(dtype, post_ln):
     """The whole model with --bias-dropout-fusion and --cross-entropy-loss-fusion (the defaults) against
-    both off, dropout 0: the same loss and gradients up to 16-bit rounding (the plain path rounds the
-    residual sum once more, before the add)."""
+    both off, dropout 0: the same loss and gradients up to 16-bit rounding (the LayerNorm's and the
+    loss's fp32 sums run in other orders)."""
     from minibert.config import Config
-    from minibert.model import BertModel, pretraining_loss
-    g = torch.Generator().manual_seed(2)
-    tokens = torch.randint(5, 1000, (4, 256), generator=g).cuda()
-    padding = (torch.arange(256)[None, :] >= torch.tensor([256, 180, 90, 40])[:, None]).cuda()
-    loss_mask = ((torch.rand(4, 256, generator=g) < 0.15).cuda() & ~padding).long()
-    labels = torch.where(loss_mask.bool(), tokens, -1)
-    is_random = torch.randint(0, 2, (4,), generator=g).cuda()
+    from minibert.model import BertModel
+    batch = padded_batch(2)
     results = {}
     for fused in (True, False):
         cfg = Config(num_layers=2, hidden_size=256, num_attention_heads=4, seq_length=256, vocab_size=1000,
                      hidden_dropout=0.0, attention_dropout=0.0, post_ln=post_ln, bias_dropout_fusion=fused,
                      cross_entropy_loss_fusion=fused)
-        model = BertModel(cfg).cuda().to(dtype)
-        out = model(tokens, padding_mask=padding)
-        loss, _, _ = pretraining_loss(out, labels, loss_mask, is_random, cross_entropy=model.lm_cross_entropy)
-        loss.backward()
-        results[fused] = (loss.detach(), {n: p.grad.float() for n, p in model.named_parameters()})
+        results[fused] = loss_and_grads(BertModel(cfg).cuda().to(dtype), batch)
     (loss_a, grads_a), (loss_b, grads_b) = results[False], results[True]
     assert abs(float(loss_a - loss_b)) / float(loss_a) < 5e-3
     worst = max(rel(grads_b[n], grads_a[n]) for n in grads_a if grads_a[n].norm() > 0)
