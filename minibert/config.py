@@ -47,9 +47,10 @@ class Config:
                                     "attention, trimmed to its longest sample (exact; off: the padded twin; "
                                     "pipeline and sequence parallelism use the padded layout)",
                               action=argparse.BooleanOptionalAction)
-    bias_dropout_fusion: bool = _flag(True, "on a GPU in fp16/bf16: dropout + residual add + the next LayerNorm in "
-                                            "one Triton kernel (minibert.kernels.layer_norm; Megatron's flag name, "
-                                            "the bias stays in the matmul); off: the plain ops",
+    bias_dropout_fusion: bool = _flag(True, "on a GPU in fp16/bf16, activations of >= 4M elements: dropout + "
+                                            "residual add + the next LayerNorm in one Triton kernel "
+                                            "(minibert.kernels.layer_norm; Megatron's flag name, the bias stays "
+                                            "in the matmul); off: the plain ops",
                                       action=argparse.BooleanOptionalAction)
     cross_entropy_loss_fusion: bool = _flag(True, "on a GPU in fp16/bf16: the LM loss in one Triton kernel that "
                                                   "reads the logits once (minibert.kernels.cross_entropy; "

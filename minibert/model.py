@@ -45,6 +45,18 @@ from minibert.packing import gather_rows, scatter_rows
 
 BertOutput = namedtuple("BertOutput", ["lm_logits", "binary_logits", "hidden"])
 NUM_TOKEN_TYPES = 2  # sentence A / sentence B
+# The fused dropout + add + LayerNorm runs on tensors of at least this many elements. On the H200 it won
+# at 16.7M (BERT-large micro-batch 32 x 512 x 1024) and 25M elements (BERT-base), where the GPU is busy
+# with large matmuls, but launched from Python its backward took 0.35-0.42 ms against eager's 0.22-0.28
+# (chapter 8, section 4.9): on small, host-bound steps (make train-small: 65k elements) the plain ops
+# run. The bound sits between those measured points; it was not itself measured.
+FUSED_LAYER_NORM_MIN_ELEMENTS = 1 << 22
+
+
+def fused_kernels_apply(x) -> bool:
+    """Where the fused Triton kernels (cross entropy; dropout + add + LayerNorm) replace their plain
+    twins: CUDA tensors in fp16/bf16. The CPU always runs the plain ops."""
+    return x.is_cuda and x.dtype in (torch.float16, torch.bfloat16)
 
 
 class Embedding(nn.Module):
@@ -154,13 +166,14 @@ class TransformerLayer(nn.Module):
     def add_dropout_norm(self, x, y, layernorm=None):
         """-> (x + drop(y), layernorm(x + drop(y)) or None): the residual add and the LayerNorm after it.
 
-        On a GPU in fp16/bf16 (and --bias-dropout-fusion, the default) one Triton kernel does all three,
-        reading x and y once and writing the sum and its normalised copy (minibert.kernels.layer_norm; its
-        dropout draws Philox numbers from a seed taken from torch's generator, so the dropped entries
-        differ from F.dropout's, not their distribution). Everywhere else: the plain ops, its twin."""
+        On a GPU in fp16/bf16 (and --bias-dropout-fusion, the default), for tensors of at least
+        FUSED_LAYER_NORM_MIN_ELEMENTS, one Triton kernel does all three, reading x and y once and writing
+        the sum and its normalised copy (minibert.kernels.layer_norm; its dropout draws Philox numbers
+        from a seed taken from torch's generator, so the dropped entries differ from F.dropout's, not
+        their distribution). Everywhere else: the plain ops, its twin."""
         p = self.dropout if self.training else 0.0
         with self.rng_context():
-            if self.fused and x.is_cuda and x.dtype in (torch.float16, torch.bfloat16):
+            if self.fused and fused_kernels_apply(x) and x.numel() >= FUSED_LAYER_NORM_MIN_ELEMENTS:
                 from minibert.kernels.layer_norm import dropout_add_layer_norm
                 weight, bias = (None, None) if layernorm is None else (layernorm.weight, layernorm.bias)
                 eps = 0.0 if layernorm is None else layernorm.eps
@@ -249,7 +262,7 @@ def lm_cross_entropy(logits, labels, fused=False):
     fused=True (--cross-entropy-loss-fusion, the default) on a GPU with 16-bit logits: one Triton kernel
     that reads the logits once and never makes their fp32 copy (minibert.kernels.cross_entropy), the same
     numbers up to the order of fp32 sums; the line below is its plain twin."""
-    if fused and logits.is_cuda and logits.dtype in (torch.float16, torch.bfloat16):
+    if fused and fused_kernels_apply(logits):
         from minibert.kernels.cross_entropy import fused_cross_entropy
         return fused_cross_entropy(logits, labels)
     return F.cross_entropy(logits.float(), labels, ignore_index=-1, reduction="none")

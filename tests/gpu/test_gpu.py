@@ -97,12 +97,13 @@ def test_whole_model_backends_against_local(dtype, backend):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
 @pytest.mark.parametrize("post_ln", [False, True], ids=["pre-LN", "post-LN"])
-def test_fused_layer_norm_and_cross_entropy_equal_their_plain_twins(dtype, post_ln):
+def test_fused_layer_norm_and_cross_entropy_equal_their_plain_twins(dtype, post_ln, monkeypatch):
     """The whole model with --bias-dropout-fusion and --cross-entropy-loss-fusion (the defaults) against
     both off, dropout 0: the same loss and gradients up to 16-bit rounding (the LayerNorm's and the
     loss's fp32 sums run in other orders)."""
     from minibert.config import Config
     from minibert.model import BertModel
+    monkeypatch.setattr("minibert.model.FUSED_LAYER_NORM_MIN_ELEMENTS", 0)  # this small model fuses too
     batch = padded_batch(2)
     results = {}
     for fused in (True, False):
@@ -116,11 +117,12 @@ def test_fused_layer_norm_and_cross_entropy_equal_their_plain_twins(dtype, post_
     assert worst < 5e-2, worst
 
 
-def test_fused_hidden_dropout_follows_torch_seed():
+def test_fused_hidden_dropout_follows_torch_seed(monkeypatch):
     """With hidden dropout on, the fused kernel's Philox seed comes from torch's generator: the same
     torch.manual_seed gives the same loss and gradients, another seed other ones."""
     from minibert.config import Config
     from minibert.model import BertModel, pretraining_loss
+    monkeypatch.setattr("minibert.model.FUSED_LAYER_NORM_MIN_ELEMENTS", 0)
     g = torch.Generator().manual_seed(3)
     tokens = torch.randint(5, 1000, (8, 128), generator=g).cuda()
     loss_mask = (torch.rand(8, 128, generator=g) < 0.15).cuda().long()
