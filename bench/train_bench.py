@@ -50,8 +50,8 @@ if __package__ in (None, ""):
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from bench.train_bench_data import (SEED, mean_real_tokens, megatron_batches, pinned, prepare_corpus,  # noqa: E402
-                                    stream_batches)
+from bench.train_bench_data import (SEED, length_histogram_notes, mean_real_tokens, megatron_batches,  # noqa: E402
+                                    pinned, prepare_corpus, stream_batches)
 from minibert.batches import batch_flops, build_data_iterator, build_datasets  # noqa: E402
 from minibert.config import Config, validate  # noqa: E402
 from minibert.errors import OneLineArgumentParser, UsageError, exit_on_usage_error  # noqa: E402
@@ -311,8 +311,11 @@ def section_2(settings):
     for what, batches, note in datasets:
         label = f"{model}, {what}"
         real = mean_real_tokens(batches)
+        median, histogram = length_histogram_notes(batches, seq)
         rows += print_rows([row(f"{label}: mean real tokens per sample", real, "tokens",
-                                f"{real / seq:.0%} of the {seq} positions" + (f"; {note}" if note else ""))])
+                                f"{real / seq:.0%} of the {seq} positions" + (f"; {note}" if note else "")),
+                            row(f"{label}: length histogram, median real tokens per sample", median, "tokens",
+                                histogram)])
         for contender, full_length in reference.items():
             result = measure(contender.replace(" + mask", ""), cfg, batches, settings)
             ms = 1e3 * result.seconds / result.steps

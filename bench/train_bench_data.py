@@ -121,3 +121,13 @@ def megatron_batches(prefix, count, cfg, device):
 def mean_real_tokens(batches):
     """Real tokens per sample, averaged over the batches' samples."""
     return float(np.mean([float((b["padding_mask"] == 1).sum(1).double().mean()) for b in batches]))
+
+
+def length_histogram_notes(batches, seq_length, bins=8):
+    """The real tokens per sample of the batches as (median, "0-64: n, 64-128: n, ...; x% full"): the
+    length histogram in one table cell (minibert.masked_lm.length_histogram draws the same as bars)."""
+    lengths = np.concatenate([(b["padding_mask"] == 1).sum(1).numpy() for b in batches])
+    counts, edges = np.histogram(lengths, bins=bins, range=(0, seq_length))
+    cells = ", ".join(f"{lo:.0f}-{hi:.0f}: {n}" for n, lo, hi in zip(counts, edges[:-1], edges[1:]))
+    return float(np.median(lengths)), f"{cells}; {(lengths == seq_length).mean():.0%} full, {len(lengths)} samples"
+
