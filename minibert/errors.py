@@ -12,6 +12,14 @@ class UsageError(Exception):
     """Something the user can fix: the message says what to change."""
 
 
+def print_error_line(line):
+    """line + newline to stderr in one write: print() writes the text and the newline separately when
+    stderr is unbuffered (PYTHONUNBUFFERED, as under torchrun), and two ranks sharing one pipe could then
+    interleave their lines; one write of under 4 KB to a pipe is atomic."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
 def exit_on_usage_error(main):
     """Decorator for CLI entry points: UsageError -> `error: <message>` on stderr, exit code 2."""
     @functools.wraps(main)
@@ -20,7 +28,7 @@ def exit_on_usage_error(main):
             return main(*args, **kwargs)
         except UsageError as e:
             message = " ".join(str(e).split())  # always exactly one line
-            print(f"error: {message}", file=sys.stderr, flush=True)
+            print_error_line(f"error: {message}")
             sys.exit(2)
     return wrapper
 

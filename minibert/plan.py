@@ -34,7 +34,7 @@ import torch
 from minibert import plan_memory as pm
 from minibert.attention import resolve_backend
 from minibert.config import PRESETS, Config, build_parser, validate
-from minibert.errors import UsageError, exit_on_usage_error
+from minibert.errors import UsageError, exit_on_usage_error, print_error_line
 from minibert.parallel.schedules import layer_ranges
 from minibert.plan_time import HARDWARE, estimate, spans_nodes
 from minibert.training_log import PEAK_FLOPS, model_flops
@@ -132,7 +132,7 @@ def other_problem(cfg) -> list:
 
 def refuse(problems):
     for message in problems:
-        print("error: " + " ".join(message.split()), file=sys.stderr, flush=True)
+        print_error_line("error: " + " ".join(message.split()))
     sys.exit(2)
 
 

@@ -28,6 +28,8 @@ import traceback
 import torch
 import torch.distributed as dist
 
+from minibert.errors import print_error_line
+
 PREFIX = "minibert/"
 
 
@@ -119,7 +121,7 @@ def handle(state, error, timeout_minutes):
                    f"a collective failed or waited longer than --distributed-timeout-minutes {timeout_minutes:g} "
                    f"(a rank on another node stopped or hangs; look at its output): {str(error).splitlines()[0][:200]}")
     if failure is not None:
-        print(f"error: [rank {rank}] stopping: {failure}", file=sys.stderr, flush=True)
+        print_error_line(f"error: [rank {rank}] stopping: {failure}")
     else:  # this rank's own error: record it for the others, then show it once
         store = _store()
         if store is not None:
