@@ -59,7 +59,8 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.interpreter import InterpretedFunction
+
+from minibert.kernels import interpreting
 
 
 # --------------------------------------------------------------------------------------------------
@@ -89,13 +90,9 @@ INTERPRETER_CONFIG = CrossEntropyConfig(block_v=256, num_warps=1)
 
 def kernel_config(n_cols, direction):
     """The chunk shape used for rows of n_cols columns ("forward" or "backward")."""
-    base = INTERPRETER_CONFIG if _interpreted() else GPU_CONFIG[direction]
+    base = INTERPRETER_CONFIG if interpreting() else GPU_CONFIG[direction]
     block_v = min(base.block_v, triton.next_power_of_2(n_cols))
     return CrossEntropyConfig(block_v=block_v, num_warps=max(1, min(base.num_warps, block_v // 256)))
-
-
-def _interpreted():
-    return isinstance(_cross_entropy_fwd_kernel, InterpretedFunction)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -186,7 +183,7 @@ def _check_inputs(logits, labels, ignore_index):
                          f"got {tuple(labels.shape)}")
     if labels.device != logits.device:
         raise ValueError(f"fused_cross_entropy: labels are on {labels.device} but logits are on {logits.device}")
-    if logits.device.type != "cuda" and not _interpreted():
+    if logits.device.type != "cuda" and not interpreting():
         raise ValueError(f"fused_cross_entropy runs on CUDA tensors (or on CPU with TRITON_INTERPRET=1 set "
                          f"before triton is imported); got a tensor on {logits.device}")
     if logits.device.type == "cpu":  # cheap here; on CUDA it would be a host sync (the kernel gives NaN instead)

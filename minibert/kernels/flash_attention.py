@@ -62,9 +62,9 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.interpreter import InterpretedFunction
 
 from minibert.errors import UsageError
+from minibert.kernels import interpreting
 from minibert.kernels.dropout import _dropout_keep, dropout_threshold, effective_dropout_p
 
 LOG2_E = math.log2(math.e)  # exp(x) = exp2(x * LOG2_E): the scale absorbs it
@@ -234,12 +234,6 @@ FP32_TILES = (Tile(64, 32, 4, 2), Tile(64, 32, 8, 2), Tile(32, 32, 4, 2))  # fp3
 INTERPRETER_TILES = (Tile(32, 16, 1, 1), Tile(16, 32, 1, 1), Tile(16, 32, 1, 1))
 
 
-def _interpreting():
-    """True under Triton's CPU interpreter (TRITON_INTERPRET=1 when triton.jit ran): the kernels were then
-    made InterpretedFunctions. Asking the kernel, not the environment, keeps os.environ out of this code."""
-    return isinstance(_attention_forward_kernel, InterpretedFunction)
-
-
 def head_dim_block(d):
     """The power-of-two block the head dim runs in (80 -> 128: the extra lanes are masked)."""
     return max(16, triton.next_power_of_2(d))
@@ -255,7 +249,7 @@ DROPOUT_FORWARD_TILES = {64: Tile(64, 128, 4, 3), 128: Tile(128, 64, 8, 2)}
 
 def pick_tiles(head_dim, dtype, dropout=False):
     """(forward, dq, dkdv) tiles for this head dim and dtype."""
-    if _interpreting():
+    if interpreting():
         return INTERPRETER_TILES
     if dtype == torch.float32:
         return FP32_TILES
@@ -286,7 +280,7 @@ def check_inputs(q, k, v, padding_mask, dropout_p):
         raise UsageError(f"flash_attention needs non-empty inputs; got shape {tuple(q.shape)}")
     if not (q.device == k.device == v.device):
         raise UsageError("flash_attention: q, k, v must be on one device")
-    if q.device.type != "cuda" and not _interpreting():
+    if q.device.type != "cuda" and not interpreting():
         raise UsageError("flash_attention runs on CUDA (or on CPU with TRITON_INTERPRET=1); "
                          "use --attention-backend local on CPU")
     if padding_mask is not None and (padding_mask.dtype != torch.bool or padding_mask.device != q.device

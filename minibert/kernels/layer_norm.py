@@ -71,9 +71,9 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from triton.runtime.interpreter import InterpretedFunction
 
 from minibert.errors import UsageError
+from minibert.kernels import interpreting
 from minibert.kernels.dropout import _dropout_keep, dropout_threshold, effective_dropout_p
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -115,11 +115,6 @@ BACKWARD_PROGRAMS_PER_SM = 4  # the partial buffer is then 2 * 4 * SMs * h fp32 
 INTERPRETER_TILES = (Tile(4, 1), Tile(2, 1, programs_per_sm=2))
 
 
-def _interpreting():
-    """True under TRITON_INTERPRET=1 (triton.jit then made the kernels InterpretedFunctions)."""
-    return isinstance(_dropout_add_ln_fwd_kernel, InterpretedFunction)
-
-
 def _block_n(h):
     return max(8, triton.next_power_of_2(h))  # _dropout_keep draws 8 columns per call: a multiple of 8
 
@@ -127,7 +122,7 @@ def _block_n(h):
 @functools.lru_cache(maxsize=None)
 def pick_tiles(h):
     """(forward, backward) tiles for rows of width h."""
-    if _interpreting():
+    if interpreting():
         return INTERPRETER_TILES
     tiles = []
     for direction in ("forward", "backward"):
@@ -266,7 +261,7 @@ def _check_inputs(residual, y, weight, bias, eps, dropout_p):
                              f"{residual.device}; got {got}")
     if y.device != residual.device:
         raise UsageError(f"dropout_add_layer_norm: residual is on {residual.device} but y on {y.device}")
-    if residual.device.type != "cuda" and not _interpreting():
+    if residual.device.type != "cuda" and not interpreting():
         raise UsageError("dropout_add_layer_norm runs on CUDA (or on CPU with TRITON_INTERPRET=1 set before "
                          "triton is imported); use the eager F.dropout + add + nn.LayerNorm on CPU")
     if weight is not None and (isinstance(eps, bool) or not isinstance(eps, (int, float)) or eps <= 0):

@@ -25,7 +25,8 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.interpreter import InterpretedFunction
+
+from minibert.kernels import interpreting
 
 LOG2E = 1.4426950408889634  # exp(x) = exp2(x * log2(e)): exp2 is the GPU's native instruction
 
@@ -248,8 +249,7 @@ def _check_inputs(scores, mask, scale):
     if scores.dim() != 4:
         raise ValueError(f"fused_scale_mask_softmax: scores must be 4-D [b, heads, sq, sk]; "
                          f"got shape {tuple(scores.shape)}")
-    interpreted = isinstance(_softmax_fwd_kernel, InterpretedFunction)
-    if scores.device.type != "cuda" and not interpreted:
+    if scores.device.type != "cuda" and not interpreting():
         raise ValueError(f"fused_scale_mask_softmax runs on CUDA tensors (or on CPU with TRITON_INTERPRET=1 set "
                          f"before triton is imported); got a tensor on {scores.device}")
     if isinstance(scale, bool) or not isinstance(scale, (int, float)):
