@@ -116,23 +116,35 @@ class SelfAttention(nn.Module):
         self.recompute_core = config.recompute == "selective"  # keep q, k, v; redo softmax(qk^T)v in backward
 
     def forward(self, x, padding_mask, backend, packing=None):
-        qkv = self.query_key_value(x)  # [b, s, 3 * local heads * d] (sequence parallel: x had s / TP)
-        if packing is not None:
-            qkv = scatter_rows(qkv, packing)  # packed [n, 3hd] -> [b, s, 3hd], zeros at padding
-        b, s = qkv.shape[:2]
-        qkv = qkv.view(b, s, -1, 3, self.head_dim)  # [b, s, heads, 3, d]: q, k, v of each head side by side
+        qkv = self.query_key_value(x)  # [b, s, 3 * local heads * d] (sequence parallel: x had s / TP); packed: [n, ...]
         dropout_p = self.dropout if self.training else 0.0
         with self.rng_context():
             if self.recompute_core and torch.is_grad_enabled():
                 # checkpoint() stores the RNG state, so the recomputed dropout drops the same entries
-                out = checkpoint(attention_qkv, qkv, padding_mask, backend=backend, dropout_p=dropout_p,
-                                 use_reentrant=False)
+                out = checkpoint(self.core, qkv, padding_mask, backend, dropout_p, packing, use_reentrant=False)
             else:
-                out = attention_qkv(qkv, padding_mask, backend=backend, dropout_p=dropout_p)  # [b, heads, s, d]
+                out = self.core(qkv, padding_mask, backend, dropout_p, packing)
+        return self.dense(out)
+
+    def core(self, qkv, padding_mask, backend, dropout_p, packing=None):
+        """softmax(q k^T / sqrt(d)) v for every head: qkv [b, s, 3hd] -> [b, s, hd], or packed [n, 3hd] -> [n, hd].
+        Packed rows go straight to the varlen flash kernel; the other backends want the padded layout, so
+        the rows are scattered into it and gathered back (minibert.packing)."""
+        if packing is not None and backend == "flash":
+            from minibert.kernels.flash_attention_varlen import flash_attention_varlen
+            n = qkv.shape[0]
+            qkv = qkv.view(n, -1, 3, self.head_dim)  # [n, heads, 3, d]
+            out = flash_attention_varlen(qkv, packing.cu_seqlens, packing.seq, dropout_p=dropout_p)
+            return out.view(n, -1)  # [n, heads, d] -> [n, heads * d], no copy
+        if packing is not None:
+            qkv = scatter_rows(qkv, packing)  # packed [n, 3hd] -> [b, s, 3hd], zeros at padding
+        b, s = qkv.shape[:2]
+        qkv = qkv.view(b, s, -1, 3, self.head_dim)  # [b, s, heads, 3, d]: q, k, v of each head side by side
+        out = attention_qkv(qkv, padding_mask, backend=backend, dropout_p=dropout_p)  # [b, heads, s, d]
         out = out.transpose(1, 2).reshape(b, s, -1)  # [b, s, heads, d] -> [b, s, heads * d]
         if packing is not None:
             out = gather_rows(out, packing)  # [b, s, hd] -> [n, hd]: the real tokens again
-        return self.dense(out)
+        return out
 
 
 class MLP(nn.Module):

@@ -4,20 +4,23 @@ A BERT micro-batch is [b, s] with every sample padded to s. On real corpora most
 documents give samples far below s), and every token-wise operation - the embeddings, each Linear,
 LayerNorm, GeLU, dropout, the LM head - computes results for padded positions that nothing reads. So the
 real tokens are packed into rows [n, h], n = the number of real tokens, and only attention, which needs each
-sample's tokens together, works in the [b, s] layout: the packed QKV rows are scattered into a zeroed
-[b, s, 3h] buffer before it, and its output gathered back after it (the kernels skip the padded blocks).
+sample's tokens together, needs to know where each sample's rows are. The flash backend reads the packed
+rows directly (minibert/kernels/flash_attention_varlen.py), told where each sample starts by cu_seqlens;
+the other backends work in the [b, s] layout: the packed QKV rows are scattered into a zeroed [b, s, 3h]
+buffer before attention, and its output gathered back after it.
 
     [b, s] tokens:      sample 0: [CLS] a  b  [SEP] .  .        packed rows:  0  1  2  3 | 4  5  6
                         sample 1: [CLS] c  [SEP] .  .  .                      (sample 0)  (sample 1)
     index  (flat positions b*s + j of the real tokens, in order):  [0 1 2 3 6 7 8]
     cls_rows (packed row of each sample's [CLS], for the pooler):  [0 4]
+    cu_seqlens (where each sample's rows start, then the end):      [0 4 7]
 
 The micro-batch is also trimmed to its longest sample (rounded up to a multiple of 64, a size the
 kernels tile well): the attention then works on [b, s'] with s' <= s. Both are exact: attention masks
 padded keys, and the loss never reads padded positions.
 
-A micro-batch that is nearly all real tokens is not packed (worth_packing): there the scatters and
-gathers around attention cost more than the few padded positions they skip; it is only trimmed.
+With the scatter and gather, a micro-batch that is nearly all real tokens is not packed (worth_packing,
+packing_threshold): there they cost more than the few padded positions they skip; it is only trimmed.
 
 The indices are computed on the CPU from the batch as it arrives (no device synchronisation: a boolean
 mask on the GPU would make the host wait for the count), then copied to the device with the batch.
@@ -27,14 +30,23 @@ from collections import namedtuple
 
 import torch
 
-Packing = namedtuple("Packing", ["index", "cls_rows", "batch", "seq"])  # index, cls_rows: int64 tensors
+# index, cls_rows: int64 tensors; cu_seqlens: int32 [b + 1], where each sample's rows start (and the end)
+Packing = namedtuple("Packing", ["index", "cls_rows", "cu_seqlens", "batch", "seq"])
 TRIM_MULTIPLE = 64
 PACK_BELOW = 0.85  # share of real tokens under which a micro-batch is packed (measured on an H200)
+PACK_BELOW_VARLEN = 1.0  # the same when attention reads the packed rows (varlen flash): any padding
+
+
+def packing_threshold(varlen: bool) -> float:
+    """The share of real tokens under which get_batch packs a micro-batch. With the varlen flash kernel
+    (attention on the packed rows, minibert/kernels/flash_attention_varlen.py) packing costs one gather
+    of the embeddings, so any padding is worth skipping; the other backends pay a scatter and a gather
+    around every attention, which the padding must outweigh (bench/notes-packing.md)."""
+    return PACK_BELOW_VARLEN if varlen else PACK_BELOW
 
 
 def worth_packing(is_pad, threshold=PACK_BELOW) -> bool:
-    """Pack only a micro-batch that is mostly padding: the gathers and scatters around every attention
-    cost about as much as the padding they skip once a batch is ~85% real tokens (bench/notes-packing.md)."""
+    """Pack a micro-batch whose share of real tokens is under `threshold` (packing_threshold)."""
     return float((~is_pad).float().mean()) < threshold
 
 
@@ -52,13 +64,16 @@ def make_packing(is_pad) -> Packing:
     real = ~is_pad.reshape(-1)
     index = real.nonzero().squeeze(1)                        # [n] flat positions
     counts = (~is_pad).sum(dim=1)                            # [b] real tokens per sample
-    cls_rows = torch.cumsum(counts, 0) - counts              # packed row of each sample's first token
-    return Packing(index, cls_rows, b, s)
+    ends = torch.cumsum(counts, 0)
+    cls_rows = ends - counts                                 # packed row of each sample's first token
+    cu_seqlens = torch.cat([ends.new_zeros(1), ends]).to(torch.int32)   # [0, end of sample 0, ...]
+    return Packing(index, cls_rows, cu_seqlens, b, s)
 
 
 def to_device(packing, device) -> Packing:
     return packing._replace(index=packing.index.to(device, non_blocking=True),
-                            cls_rows=packing.cls_rows.to(device, non_blocking=True))
+                            cls_rows=packing.cls_rows.to(device, non_blocking=True),
+                            cu_seqlens=packing.cu_seqlens.to(device, non_blocking=True))
 
 
 def gather_rows(x, packing):

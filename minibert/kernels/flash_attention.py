@@ -54,7 +54,8 @@ and emits wgmma on Hopper by itself; we keep plain pointer loads so one kernel r
 one Philox call per 16 dropout decisions (8-bit thresholds: p rounded to a multiple of 1/256) and gives
 each thread the bits of its own elements (the thread index is part of the counter), so no bits move but the
 mask depends on the kernel's thread layout; ours is independent of tiles and warps, which lets each kernel
-pick its own. FA2 also supports unpadded "varlen" batches (cu_seqlens) that skip padding without masking.
+pick its own. FA2 also takes unpadded "varlen" batches (cu_seqlens) that skip padding without masking; these
+kernels do too, compiled with VARLEN=True (flash_attention_varlen.py explains the layout).
 """
 import math
 from typing import NamedTuple
@@ -100,16 +101,43 @@ def _key_length(KV_LEN, batch, seq_len, HAS_PAD: tl.constexpr):
 
 
 @triton.jit
-def _program_block(KV_LEN, n_heads, seq_len, BLOCK: tl.constexpr, HAS_PAD: tl.constexpr):
-    """Which block this program owns -> (bh, start, batch, head, kv_len). Program ids run the blocks of one
-    (batch, head) fastest, then heads, then batch, so neighbouring programs share K, V (or Q, dO) in L2.
-    All three kernels use this order; BLOCK is the size of the block a program owns."""
+def _program_block(KV_LEN, n_heads, seq_len, BLOCK: tl.constexpr, HAS_PAD: tl.constexpr, VARLEN: tl.constexpr):
+    """Which block this program owns -> (bh, start, batch, head, kv_len, token0). Program ids run the blocks
+    of one (batch, head) fastest, then heads, then batch, so neighbouring programs share K, V (or Q, dO) in
+    L2. All three kernels use this order; BLOCK is the size of the block a program owns.
+
+    token0 is the row where this sample's tokens start: 0 in the padded layout [b, s, ...], where the batch
+    stride finds the sample; in the varlen layout (VARLEN, packed rows [n, ...], see
+    flash_attention_varlen.py) KV_LEN holds cu_seqlens, the sample's rows are cu_seqlens[batch] ..
+    cu_seqlens[batch + 1] - 1, and the batch stride is 0."""
     n_blocks = tl.cdiv(seq_len, BLOCK)
     bh = tl.program_id(0) // n_blocks                     # = batch * n_heads + head
     start = (tl.program_id(0) % n_blocks) * BLOCK
     batch = bh // n_heads
     head = bh % n_heads
-    return bh, start, batch, head, _key_length(KV_LEN, batch, seq_len, HAS_PAD)
+    if VARLEN:
+        token0 = tl.load(KV_LEN + batch).to(tl.int64)
+        kv_len = tl.load(KV_LEN + batch + 1) - tl.load(KV_LEN + batch)
+    else:
+        token0 = batch.to(tl.int64) * 0
+        kv_len = _key_length(KV_LEN, batch, seq_len, HAS_PAD)
+    return bh, start, batch, head, kv_len, token0
+
+
+@triton.jit
+def _row_end(kv_len, seq_len, VARLEN: tl.constexpr):
+    """Rows (queries or keys) at or past this are never read or written: past s in the padded layout
+    (padded rows are written: zeros or finite values), past the sample's own length in the varlen layout,
+    where the next rows belong to the next sample."""
+    if VARLEN:
+        return kv_len
+    return seq_len
+
+
+@triton.jit
+def _sample_start(batch, token0, stride_b, stride_s):
+    """Offset (int64) of row 0 of this sample: batch * stride_b (padded) or token0 * stride_s (varlen)."""
+    return batch.to(tl.int64) * stride_b + token0 * stride_s
 
 
 @triton.jit
@@ -145,27 +173,31 @@ def _attention_forward_kernel(
         stride_vb, stride_vh, stride_vs, stride_ob, stride_oh, stride_os,
         n_heads, seq_len, qk_scale, seed, threshold, out_scale,
         HEAD_DIM: tl.constexpr, D_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        HAS_PAD: tl.constexpr, DROPOUT: tl.constexpr):
+        HAS_PAD: tl.constexpr, DROPOUT: tl.constexpr, VARLEN: tl.constexpr):
     """One program = BLOCK_M query rows of one (batch, head); it streams every key block up to kv_len."""
-    bh, start_m, batch, head, kv_len = _program_block(KV_LEN, n_heads, seq_len, BLOCK_M, HAS_PAD)
+    bh, start_m, batch, head, kv_len, token0 = _program_block(KV_LEN, n_heads, seq_len, BLOCK_M, HAS_PAD, VARLEN)
+    row_end = _row_end(kv_len, seq_len, VARLEN)
 
     rows = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D_BLOCK)
     d_ok = offs_d < HEAD_DIM                              # d=80 runs in a 128-wide block, masked
-    o_ptrs = (O + batch.to(tl.int64) * stride_ob + head * stride_oh
+    o_ptrs = (O + _sample_start(batch, token0, stride_ob, stride_os) + head * stride_oh
               + rows[:, None] * stride_os + offs_d[None, :])
     lse_ptrs = LSE + bh.to(tl.int64) * seq_len + rows
     if start_m >= kv_len:                                 # only padding here: zeros, no work
         tl.store(o_ptrs, tl.zeros([BLOCK_M, D_BLOCK], O.dtype.element_ty),
-                 mask=(rows[:, None] < seq_len) & d_ok[None, :])
+                 mask=(rows[:, None] < row_end) & d_ok[None, :])
         tl.store(lse_ptrs, tl.zeros([BLOCK_M], tl.float32), mask=rows < seq_len)
         return
 
-    q_ptrs = Q + batch.to(tl.int64) * stride_qb + head * stride_qh + rows[:, None] * stride_qs + offs_d[None, :]
-    k_ptrs = K + batch.to(tl.int64) * stride_kb + head * stride_kh + offs_n[:, None] * stride_ks + offs_d[None, :]
-    v_ptrs = V + batch.to(tl.int64) * stride_vb + head * stride_vh + offs_n[:, None] * stride_vs + offs_d[None, :]
-    q = tl.load(q_ptrs, mask=(rows[:, None] < seq_len) & d_ok[None, :], other=0.0)   # [BLOCK_M, D]
+    q_ptrs = (Q + _sample_start(batch, token0, stride_qb, stride_qs) + head * stride_qh
+              + rows[:, None] * stride_qs + offs_d[None, :])
+    k_ptrs = (K + _sample_start(batch, token0, stride_kb, stride_ks) + head * stride_kh
+              + offs_n[:, None] * stride_ks + offs_d[None, :])
+    v_ptrs = (V + _sample_start(batch, token0, stride_vb, stride_vs) + head * stride_vh
+              + offs_n[:, None] * stride_vs + offs_d[None, :])
+    q = tl.load(q_ptrs, mask=(rows[:, None] < row_end) & d_ok[None, :], other=0.0)   # [BLOCK_M, D]
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max (base-2 units)
     l_i = tl.zeros([BLOCK_M], tl.float32)                 # running sum of exp2(s - m), undropped
@@ -189,7 +221,7 @@ def _attention_forward_kernel(
 
     # every row saw key kv_len - 1, a real key, so l_i >= 1: no division by zero
     acc = acc * (out_scale / l_i)[:, None]                # out_scale = 1 / (1 - effective dropout p)
-    tl.store(o_ptrs, acc.to(O.dtype.element_ty), mask=(rows[:, None] < seq_len) & d_ok[None, :])
+    tl.store(o_ptrs, acc.to(O.dtype.element_ty), mask=(rows[:, None] < row_end) & d_ok[None, :])
     tl.store(lse_ptrs, m_i + tl.math.log2(l_i), mask=rows < seq_len)
 
 
@@ -306,22 +338,49 @@ def _last_dim_contiguous(t):
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def attention_forward(q, k, v, bias, kv_len, scale, dropout_p, seed, tile, out=None):
-    """Launch the forward. bias, kv_len: from prepare_padding, or None for no padding.
+class Varlen(NamedTuple):
+    """The varlen layout (flash_attention_varlen.py): q, k, v are [1, heads, n, d] views of packed rows,
+    sample i's rows are cu_seqlens[i] .. cu_seqlens[i + 1] - 1 (int32 [batch + 1] on the device), and
+    max_len >= every sample's length is the s the grid, lse and the dropout counters are laid out for."""
+    cu_seqlens: torch.Tensor
+    batch: int
+    max_len: int
+
+
+def grid_layout(q, varlen=None):
+    """(batch, heads, s) the kernels' grid and their lse / delta rows run over."""
+    if varlen is None:
+        b, h, s, _ = q.shape
+        return b, h, s
+    return varlen.batch, q.shape[1], varlen.max_len
+
+
+def strides(t, varlen=None):
+    """(batch, head, row) strides of a [b, heads, s, d] view; the varlen layout has no batch stride (the
+    kernels find a sample's first row through cu_seqlens)."""
+    return (0 if varlen is not None else t.stride(0)), t.stride(1), t.stride(2)
+
+
+def attention_forward(q, k, v, bias, kv_len, scale, dropout_p, seed, tile, out=None, varlen=None):
+    """Launch the forward. bias, kv_len: from prepare_padding, or None for no padding (or varlen).
     Returns out [b, heads, s, d] (stored as [b, s, heads, d], so merging heads is a free view) and
-    lse float32 [b, heads, s] (base 2)."""
-    b, h, s, d = q.shape
+    lse float32 [b, heads, s] (base 2); with varlen (a Varlen, q, k, v [1, heads, n, d]) out is
+    [1, heads, n, d] (stored [n, heads, d]) and lse [batch, heads, max_len]."""
+    _, _, n, d = q.shape
+    b, h, s = grid_layout(q, varlen)
     if out is None:
-        out = torch.empty(b, s, h, d, dtype=q.dtype, device=q.device).transpose(1, 2)   # [b, h, s, d] view
+        out = torch.empty(q.shape[0], n, h, d, dtype=q.dtype, device=q.device).transpose(1, 2)  # [., h, n, d]
     lse = torch.empty(b, h, s, dtype=torch.float32, device=q.device)
     grid = (triton.cdiv(s, tile.block_m) * b * h,)
+    lengths = varlen.cu_seqlens if varlen is not None else kv_len
     _attention_forward_kernel[grid](
-        q, k, v, out, lse, bias if bias is not None else lse, kv_len if kv_len is not None else lse,
-        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
+        q, k, v, out, lse, bias if bias is not None else lse, lengths if lengths is not None else lse,
+        *strides(q, varlen), *strides(k, varlen), *strides(v, varlen), *strides(out, varlen),
         h, s, scale * LOG2_E, seed, dropout_threshold(dropout_p),
         1.0 / (1.0 - effective_dropout_p(dropout_p)),
         HEAD_DIM=d, D_BLOCK=head_dim_block(d), BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
-        HAS_PAD=bias is not None, DROPOUT=dropout_p > 0, num_warps=tile.num_warps, num_stages=tile.num_stages)
+        HAS_PAD=bias is not None, DROPOUT=dropout_p > 0, VARLEN=varlen is not None,
+        num_warps=tile.num_warps, num_stages=tile.num_stages)
     return out, lse
 
 

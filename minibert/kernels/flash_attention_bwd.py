@@ -30,7 +30,8 @@ import triton
 import triton.language as tl
 
 from minibert.kernels.dropout import _dropout_keep, dropout_threshold, effective_dropout_p
-from minibert.kernels.flash_attention import LOG2_E, _key_bias, _program_block, head_dim_block
+from minibert.kernels.flash_attention import (LOG2_E, _key_bias, _program_block, _row_end, _sample_start,
+                                              grid_layout, head_dim_block, strides)
 
 
 @triton.jit(do_not_specialize=["seed"])
@@ -41,35 +42,38 @@ def _attention_backward_dq_kernel(
         stride_dob, stride_doh, stride_dos, stride_dqb, stride_dqh, stride_dqs,
         n_heads, seq_len, qk_scale, sm_scale, seed, threshold, keep_scale,
         HEAD_DIM: tl.constexpr, D_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        HAS_PAD: tl.constexpr, DROPOUT: tl.constexpr):
+        HAS_PAD: tl.constexpr, DROPOUT: tl.constexpr, VARLEN: tl.constexpr):
     """dQ for BLOCK_M query rows of one (batch, head), and D = rowsum(dO * O) for those rows."""
-    bh, start_m, batch, head, kv_len = _program_block(KV_LEN, n_heads, seq_len, BLOCK_M, HAS_PAD)
+    bh, start_m, batch, head, kv_len, token0 = _program_block(KV_LEN, n_heads, seq_len, BLOCK_M, HAS_PAD, VARLEN)
+    row_end = _row_end(kv_len, seq_len, VARLEN)
 
     rows = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D_BLOCK)
     d_ok = offs_d < HEAD_DIM
-    dq_ptrs = (DQ + batch.to(tl.int64) * stride_dqb + head * stride_dqh
+    dq_ptrs = (DQ + _sample_start(batch, token0, stride_dqb, stride_dqs) + head * stride_dqh
                + rows[:, None] * stride_dqs + offs_d[None, :])
     if start_m >= kv_len:                                      # padding rows only
         tl.store(dq_ptrs, tl.zeros([BLOCK_M, D_BLOCK], DQ.dtype.element_ty),
-                 mask=(rows[:, None] < seq_len) & d_ok[None, :])
+                 mask=(rows[:, None] < row_end) & d_ok[None, :])
         return
 
     live = rows < kv_len                                       # rows past kv_len contribute nothing
     row_mask = live[:, None] & d_ok[None, :]
-    q = tl.load(Q + batch.to(tl.int64) * stride_qb + head * stride_qh + rows[:, None] * stride_qs
-                + offs_d[None, :], mask=row_mask, other=0.0)                               # [BLOCK_M, D]
-    do = tl.load(DO + batch.to(tl.int64) * stride_dob + head * stride_doh + rows[:, None] * stride_dos
-                 + offs_d[None, :], mask=row_mask, other=0.0)                              # [BLOCK_M, D]
-    o = tl.load(O + batch.to(tl.int64) * stride_ob + head * stride_oh + rows[:, None] * stride_os
-                + offs_d[None, :], mask=row_mask, other=0.0)                               # [BLOCK_M, D]
+    q = tl.load(Q + _sample_start(batch, token0, stride_qb, stride_qs) + head * stride_qh
+                + rows[:, None] * stride_qs + offs_d[None, :], mask=row_mask, other=0.0)   # [BLOCK_M, D]
+    do = tl.load(DO + _sample_start(batch, token0, stride_dob, stride_dos) + head * stride_doh
+                 + rows[:, None] * stride_dos + offs_d[None, :], mask=row_mask, other=0.0) # [BLOCK_M, D]
+    o = tl.load(O + _sample_start(batch, token0, stride_ob, stride_os) + head * stride_oh
+                + rows[:, None] * stride_os + offs_d[None, :], mask=row_mask, other=0.0)   # [BLOCK_M, D]
     delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)                                # [BLOCK_M]
     tl.store(DELTA + bh.to(tl.int64) * seq_len + rows, delta, mask=rows < seq_len)
     lse = tl.load(LSE + bh.to(tl.int64) * seq_len + rows, mask=live, other=float("inf"))
 
-    k_ptrs = K + batch.to(tl.int64) * stride_kb + head * stride_kh + offs_n[:, None] * stride_ks + offs_d[None, :]
-    v_ptrs = V + batch.to(tl.int64) * stride_vb + head * stride_vh + offs_n[:, None] * stride_vs + offs_d[None, :]
+    k_ptrs = (K + _sample_start(batch, token0, stride_kb, stride_ks) + head * stride_kh
+              + offs_n[:, None] * stride_ks + offs_d[None, :])
+    v_ptrs = (V + _sample_start(batch, token0, stride_vb, stride_vs) + head * stride_vh
+              + offs_n[:, None] * stride_vs + offs_d[None, :])
     dq = tl.zeros([BLOCK_M, D_BLOCK], tl.float32)
     for start_n in range(0, kv_len, BLOCK_N):
         cols = start_n + offs_n
@@ -85,7 +89,7 @@ def _attention_backward_dq_kernel(
             dp = tl.where(keep, dp * keep_scale, 0.0)
         ds = p * (dp - delta[:, None])
         dq = tl.dot(ds.to(K.dtype.element_ty), k, dq)
-    tl.store(dq_ptrs, (dq * sm_scale).to(DQ.dtype.element_ty), mask=(rows[:, None] < seq_len) & d_ok[None, :])
+    tl.store(dq_ptrs, (dq * sm_scale).to(DQ.dtype.element_ty), mask=(rows[:, None] < row_end) & d_ok[None, :])
 
 
 @triton.jit(do_not_specialize=["seed"])
@@ -96,18 +100,18 @@ def _attention_backward_dkdv_kernel(
         stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs,
         n_heads, seq_len, qk_scale, sm_scale, seed, threshold, keep_scale,
         HEAD_DIM: tl.constexpr, D_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        HAS_PAD: tl.constexpr, DROPOUT: tl.constexpr):
+        HAS_PAD: tl.constexpr, DROPOUT: tl.constexpr, VARLEN: tl.constexpr):
     """dK, dV for BLOCK_N keys of one (batch, head): tiles are transposed, [BLOCK_N keys, BLOCK_M queries]."""
-    bh, start_n, batch, head, kv_len = _program_block(KV_LEN, n_heads, seq_len, BLOCK_N, HAS_PAD)
+    bh, start_n, batch, head, kv_len, token0 = _program_block(KV_LEN, n_heads, seq_len, BLOCK_N, HAS_PAD, VARLEN)
 
     cols = start_n + tl.arange(0, BLOCK_N)                     # this program's keys
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, D_BLOCK)
     d_ok = offs_d < HEAD_DIM
-    out_mask = (cols[:, None] < seq_len) & d_ok[None, :]
-    dk_ptrs = (DK + batch.to(tl.int64) * stride_dkb + head * stride_dkh
+    out_mask = (cols[:, None] < _row_end(kv_len, seq_len, VARLEN)) & d_ok[None, :]
+    dk_ptrs = (DK + _sample_start(batch, token0, stride_dkb, stride_dks) + head * stride_dkh
                + cols[:, None] * stride_dks + offs_d[None, :])
-    dv_ptrs = (DV + batch.to(tl.int64) * stride_dvb + head * stride_dvh
+    dv_ptrs = (DV + _sample_start(batch, token0, stride_dvb, stride_dvs) + head * stride_dvh
                + cols[:, None] * stride_dvs + offs_d[None, :])
     if start_n >= kv_len:                                      # padding keys only
         tl.store(dk_ptrs, tl.zeros([BLOCK_N, D_BLOCK], DK.dtype.element_ty), mask=out_mask)
@@ -115,12 +119,13 @@ def _attention_backward_dkdv_kernel(
         return
 
     kv_mask = (cols[:, None] < kv_len) & d_ok[None, :]
-    k = tl.load(K + batch.to(tl.int64) * stride_kb + head * stride_kh + cols[:, None] * stride_ks
-                + offs_d[None, :], mask=kv_mask, other=0.0)                                # [BLOCK_N, D]
-    v = tl.load(V + batch.to(tl.int64) * stride_vb + head * stride_vh + cols[:, None] * stride_vs
-                + offs_d[None, :], mask=kv_mask, other=0.0)                                # [BLOCK_N, D]
-    q_ptrs = Q + batch.to(tl.int64) * stride_qb + head * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :]
-    do_ptrs = (DO + batch.to(tl.int64) * stride_dob + head * stride_doh
+    k = tl.load(K + _sample_start(batch, token0, stride_kb, stride_ks) + head * stride_kh
+                + cols[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0)    # [BLOCK_N, D]
+    v = tl.load(V + _sample_start(batch, token0, stride_vb, stride_vs) + head * stride_vh
+                + cols[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0)    # [BLOCK_N, D]
+    q_ptrs = (Q + _sample_start(batch, token0, stride_qb, stride_qs) + head * stride_qh
+              + offs_m[:, None] * stride_qs + offs_d[None, :])
+    do_ptrs = (DO + _sample_start(batch, token0, stride_dob, stride_dos) + head * stride_doh
                + offs_m[:, None] * stride_dos + offs_d[None, :])
     dk = tl.zeros([BLOCK_N, D_BLOCK], tl.float32)
     dv = tl.zeros([BLOCK_N, D_BLOCK], tl.float32)
@@ -149,34 +154,40 @@ def _attention_backward_dkdv_kernel(
     tl.store(dv_ptrs, tl.where(real[:, None], dv * keep_scale, 0.0).to(DV.dtype.element_ty), mask=out_mask)
 
 
-def launch_dq(grad_out, q, k, v, out, lse, delta, dq, bias, kv_len, scale, dropout_p, seed, tile):
+def launch_dq(grad_out, q, k, v, out, lse, delta, dq, bias, kv_len, scale, dropout_p, seed, tile, varlen=None):
     """dq kernel (also fills delta [b, heads, s])."""
-    b, h, s, d = q.shape
+    d = q.shape[-1]
+    b, h, s = grid_layout(q, varlen)
+    lengths = varlen.cu_seqlens if varlen is not None else kv_len
     grid = (triton.cdiv(s, tile.block_m) * b * h,)
     _attention_backward_dq_kernel[grid](
         q, k, v, out, grad_out, dq, lse, delta, bias if bias is not None else lse,
-        kv_len if kv_len is not None else lse,
-        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3],
-        *grad_out.stride()[:3], *dq.stride()[:3],
+        lengths if lengths is not None else lse,
+        *strides(q, varlen), *strides(k, varlen), *strides(v, varlen), *strides(out, varlen),
+        *strides(grad_out, varlen), *strides(dq, varlen),
         h, s, scale * LOG2_E, scale, seed, dropout_threshold(dropout_p),
         1.0 / (1.0 - effective_dropout_p(dropout_p)),
         HEAD_DIM=d, D_BLOCK=head_dim_block(d), BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
-        HAS_PAD=bias is not None, DROPOUT=dropout_p > 0, num_warps=tile.num_warps, num_stages=tile.num_stages)
+        HAS_PAD=bias is not None, DROPOUT=dropout_p > 0, VARLEN=varlen is not None,
+        num_warps=tile.num_warps, num_stages=tile.num_stages)
 
 
-def launch_dkdv(grad_out, q, k, v, lse, delta, dk, dv, bias, kv_len, scale, dropout_p, seed, tile):
+def launch_dkdv(grad_out, q, k, v, lse, delta, dk, dv, bias, kv_len, scale, dropout_p, seed, tile, varlen=None):
     """dkdv kernel (reads the delta written by launch_dq)."""
-    b, h, s, d = q.shape
+    d = q.shape[-1]
+    b, h, s = grid_layout(q, varlen)
+    lengths = varlen.cu_seqlens if varlen is not None else kv_len
     grid = (triton.cdiv(s, tile.block_n) * b * h,)
     _attention_backward_dkdv_kernel[grid](
         q, k, v, grad_out, dk, dv, lse, delta, bias if bias is not None else lse,
-        kv_len if kv_len is not None else lse,
-        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *grad_out.stride()[:3],
-        *dk.stride()[:3], *dv.stride()[:3],
+        lengths if lengths is not None else lse,
+        *strides(q, varlen), *strides(k, varlen), *strides(v, varlen), *strides(grad_out, varlen),
+        *strides(dk, varlen), *strides(dv, varlen),
         h, s, scale * LOG2_E, scale, seed, dropout_threshold(dropout_p),
         1.0 / (1.0 - effective_dropout_p(dropout_p)),
         HEAD_DIM=d, D_BLOCK=head_dim_block(d), BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
-        HAS_PAD=bias is not None, DROPOUT=dropout_p > 0, num_warps=tile.num_warps, num_stages=tile.num_stages)
+        HAS_PAD=bias is not None, DROPOUT=dropout_p > 0, VARLEN=varlen is not None,
+        num_warps=tile.num_warps, num_stages=tile.num_stages)
 
 
 def attention_backward(grad_out, q, k, v, out, lse, bias, kv_len, scale, dropout_p, seed, dq_tile, dkdv_tile):

@@ -55,6 +55,28 @@ def test_packed_qkv_flash_equals_plain_flash(dtype):
     assert torch.equal(out, reference) and torch.equal(qkv.grad, plain.grad)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+def test_varlen_flash_equals_padded_flash(dtype):
+    """Packed rows + cu_seqlens give the padded kernels' outputs and gradients bit for bit, with dropout."""
+    from minibert.kernels.flash_attention_packed import flash_attention_qkv
+    from minibert.kernels.flash_attention_varlen import flash_attention_varlen
+    from minibert.packing import make_packing, to_device
+    g = torch.Generator(device="cuda").manual_seed(2)
+    lengths = [512, 301, 77, 1, 128, 450]
+    is_pad = torch.arange(512)[None, :] >= torch.tensor(lengths)[:, None]
+    packing = to_device(make_packing(is_pad), "cuda")
+    qkv = torch.randn(6, 512, 16, 3, 64, device="cuda", generator=g, dtype=dtype)
+    qkv = qkv.masked_fill(is_pad.cuda()[:, :, None, None, None], 0.0).requires_grad_()
+    rows = qkv.detach().reshape(-1, 16, 3, 64).index_select(0, packing.index).requires_grad_()
+    padded = flash_attention_qkv(qkv, is_pad.cuda(), dropout_p=0.1, seed=4)
+    grad = torch.randn_like(padded)
+    padded.backward(grad)
+    packed = flash_attention_varlen(rows, packing.cu_seqlens, 512, dropout_p=0.1, seed=4)
+    packed.backward(grad.transpose(1, 2).reshape(-1, 16, 64).index_select(0, packing.index))
+    assert torch.equal(packed, padded.transpose(1, 2).reshape(-1, 16, 64).index_select(0, packing.index))
+    assert torch.equal(rows.grad, qkv.grad.reshape(-1, 16, 3, 64).index_select(0, packing.index))
+
+
 def padded_batch(seed, device="cuda"):
     """4 samples of 256 tokens, real lengths 256/180/90/40, 15% of the real positions masked -> (tokens,
     padding, loss_mask, labels, is_random), vocab 1000."""

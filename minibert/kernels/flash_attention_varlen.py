@@ -1,0 +1,85 @@
+"""Flash attention over packed rows ("varlen"): the real tokens only, no [b, s] buffer around attention.
+
+A packed micro-batch (minibert/packing.py) keeps its real tokens as rows [n, h], sample after sample.
+Before this kernel, attention still wanted the padded layout: the QKV rows were scattered into a zeroed
+[b, s, 3h] buffer, attention ran there (skipping padded key blocks), and its output was gathered back,
+three passes over activation-sized tensors per layer and direction that the padding does not justify.
+
+Here the kernels read the packed rows themselves. The only extra input is where each sample's rows start,
+cu_seqlens ("cumulative sequence lengths", FlashAttention's name), int32 [b + 1]:
+
+    packed rows      | s0 s0 s0 s0 | s1 s1 s1 | s2 s2 s2 s2 s2 |
+    cu_seqlens       0             4          7                12          sample i: rows cu[i] .. cu[i+1]-1
+
+A program still owns one (sample, head, block of rows) as in flash_attention.py; it finds its sample's
+first row as cu[i] instead of i * (batch stride), and its length, cu[i+1] - cu[i], plays the part of the
+padded kernels' kv_len (1 + last real key). Rows at or past that length are never loaded or stored: they
+belong to the next sample. The three kernels are the padded ones, compiled with VARLEN=True.
+
+The grid, the saved log-sum-exp and the dropout counters are laid out for max_len, the micro-batch's
+trimmed length s' (>= every sample's length): with right-padded samples a token's row within its sample is
+its position in the padded [b, s'] batch, so the kernels draw the same dropout mask as the padded kernels
+on [b, s'], and the two layouts give the same numbers (tests/test_flash_varlen.py).
+
+qkv arrives as the fused projection made it, [n, heads, 3, d] (rows ordered [heads, 3, d], as in
+flash_attention_packed.py), and its gradient is written into one buffer of that layout: no stack, no copy.
+The output is [n, heads, d], which the output projection reads as [n, heads * d] without a copy."""
+import torch
+
+from minibert.errors import UsageError
+from minibert.kernels.flash_attention import Varlen, attention_forward, check_inputs, pick_tiles
+
+
+def _views(qkv):
+    """qkv [n, heads, 3, d] -> q, k, v as [1, heads, n, d] strided views (no copy)."""
+    return [t.transpose(0, 1)[None] for t in qkv.unbind(2)]
+
+
+class FlashAttentionVarlen(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, qkv, cu_seqlens, max_len, scale, dropout_p, seed):
+        q, k, v = _views(qkv)
+        varlen = Varlen(cu_seqlens, cu_seqlens.numel() - 1, max_len)
+        tiles = pick_tiles(q.shape[-1], q.dtype, dropout_p > 0)
+        out, lse = attention_forward(q, k, v, None, None, scale, dropout_p, seed, tiles[0], varlen=varlen)
+        ctx.save_for_backward(qkv, cu_seqlens, out, lse)
+        ctx.max_len, ctx.scale, ctx.dropout_p, ctx.seed, ctx.tiles = max_len, scale, dropout_p, seed, tiles
+        return out[0].transpose(0, 1)  # [1, heads, n, d] view of [n, heads, d] storage -> [n, heads, d]
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        from minibert.kernels.flash_attention_bwd import launch_dkdv, launch_dq
+        qkv, cu_seqlens, out, lse = ctx.saved_tensors
+        varlen = Varlen(cu_seqlens, cu_seqlens.numel() - 1, ctx.max_len)
+        q, k, v = _views(qkv)
+        dqkv = torch.empty_like(qkv)  # [n, heads, 3, d]: the kernels write into its three views
+        dq, dk, dv = _views(dqkv)
+        grad_out = (grad_out if grad_out.stride(-1) == 1 else grad_out.contiguous()).transpose(0, 1)[None]
+        delta = torch.empty_like(lse)
+        _, dq_tile, dkdv_tile = ctx.tiles
+        launch_dq(grad_out, q, k, v, out, lse, delta, dq, None, None, ctx.scale, ctx.dropout_p, ctx.seed,
+                  dq_tile, varlen=varlen)
+        launch_dkdv(grad_out, q, k, v, lse, delta, dk, dv, None, None, ctx.scale, ctx.dropout_p, ctx.seed,
+                    dkdv_tile, varlen=varlen)
+        return dqkv, None, None, None, None, None
+
+
+def flash_attention_varlen(qkv, cu_seqlens, max_len, scale=None, dropout_p=0.0, seed=None):
+    """qkv [n, heads, 3, d] packed rows (contiguous, as the fused projection makes them), cu_seqlens int32
+    [b + 1] on qkv's device (sample i is rows cu_seqlens[i] .. cu_seqlens[i + 1] - 1), max_len >= every
+    sample's length (Python int) -> out [n, heads, d]. Each sample attends to its own rows only. Otherwise
+    as minibert.kernels.flash_attention.flash_attention (dropout: the mask of the padded kernels on
+    [b, max_len] when the rows are right-padded samples)."""
+    if qkv.dim() != 4 or qkv.shape[2] != 3:
+        raise UsageError(f"flash_attention_varlen needs qkv [n, heads, 3, d]; got {tuple(qkv.shape)}")
+    if cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 \
+            or cu_seqlens.device != qkv.device:
+        raise UsageError(f"flash_attention_varlen needs cu_seqlens int32 [b + 1] on {qkv.device}; got "
+                         f"{cu_seqlens.dtype} {tuple(cu_seqlens.shape)} on {cu_seqlens.device}")
+    q, k, v = _views(qkv)
+    check_inputs(q, k, v, None, dropout_p)
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    if seed is None:
+        seed = int(torch.randint(0, 2**31 - 1, (1,)).item()) if dropout_p > 0 else 0
+    return FlashAttentionVarlen.apply(qkv.contiguous(), cu_seqlens, int(max_len), scale, float(dropout_p),
+                                      int(seed))
