@@ -61,7 +61,7 @@ def main():
              f"- torch {torch.__version__}, triton {triton.__version__}, CUDA {torch.version.cuda}, "
              f"Python {platform.python_version()}",
              f"- command: `make bench BENCH_OUT={args.output}`", ""]
-    for title, module in SECTIONS:
+    for number, (title, module) in enumerate(SECTIONS):
         print(f"== {title}", flush=True)
         rows = module.run()
         lines += [f"## {title}", "", "| measurement | value | unit | notes |", "|---|---|---|---|"]
@@ -70,8 +70,11 @@ def main():
             lines.append("| " + " | ".join(cells) + " |")
             print("  " + " | ".join(cells), flush=True)
         lines.append("")
-    text = "\n".join(lines) + "\n"
-    atomic_write(args.output, lambda f: f.write(text), text=True, make_dirs=True)
+        # written after every section, so that a run stopped part-way (a time limit) keeps what it measured
+        left = [t for t, _ in SECTIONS[number + 1:]]
+        note = [f"(incomplete: the run stopped before: {'; '.join(left)})", ""] if left else []
+        text = "\n".join(lines + note) + "\n"
+        atomic_write(args.output, lambda f: f.write(text), text=True, make_dirs=True)
     print(text)
 
 
