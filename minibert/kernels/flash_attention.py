@@ -57,6 +57,7 @@ mask depends on the kernel's thread layout; ours is independent of tiles and war
 pick its own. FA2 also takes unpadded "varlen" batches (cu_seqlens) that skip padding without masking; these
 kernels do too, compiled with VARLEN=True (flash_attention_varlen.py explains the layout).
 """
+import functools
 import math
 from typing import NamedTuple
 
@@ -279,6 +280,7 @@ def head_dim_block(d):
 DROPOUT_FORWARD_TILES = {64: Tile(64, 128, 4, 3), 128: Tile(128, 64, 8, 2)}
 
 
+@functools.lru_cache(maxsize=None)
 def pick_tiles(head_dim, dtype, dropout=False):
     """(forward, dq, dkdv) tiles for this head dim and dtype."""
     if interpreting():
@@ -339,9 +341,9 @@ def _last_dim_contiguous(t):
 
 
 class Varlen(NamedTuple):
-    """The varlen layout (flash_attention_varlen.py): q, k, v are [1, heads, n, d] views of packed rows,
-    sample i's rows are cu_seqlens[i] .. cu_seqlens[i + 1] - 1 (int32 [batch + 1] on the device), and
-    max_len >= every sample's length is the s the grid, lse and the dropout counters are laid out for."""
+    """The varlen layout (flash_attention_varlen.py): q, k, v and out are [n, heads, d] views of packed
+    rows, sample i's rows are cu_seqlens[i] .. cu_seqlens[i + 1] - 1 (int32 [batch + 1] on the device),
+    and max_len >= every sample's length is the s the grid, lse and the dropout counters are laid out for."""
     cu_seqlens: torch.Tensor
     batch: int
     max_len: int
@@ -350,26 +352,30 @@ class Varlen(NamedTuple):
 def grid_layout(q, varlen=None):
     """(batch, heads, s) the kernels' grid and their lse / delta rows run over."""
     if varlen is None:
-        b, h, s, _ = q.shape
+        b, h, s, _ = q.shape                              # [b, heads, s, d]
         return b, h, s
-    return varlen.batch, q.shape[1], varlen.max_len
+    return varlen.batch, q.shape[1], varlen.max_len       # [n, heads, d]
 
 
 def strides(t, varlen=None):
-    """(batch, head, row) strides of a [b, heads, s, d] view; the varlen layout has no batch stride (the
-    kernels find a sample's first row through cu_seqlens)."""
-    return (0 if varlen is not None else t.stride(0)), t.stride(1), t.stride(2)
+    """(batch, head, row) strides: of a [b, heads, s, d] view, or of a varlen [n, heads, d] one, which has
+    no batch stride (the kernels find a sample's first row through cu_seqlens)."""
+    if varlen is None:
+        return t.stride(0), t.stride(1), t.stride(2)
+    return 0, t.stride(1), t.stride(0)
 
 
 def attention_forward(q, k, v, bias, kv_len, scale, dropout_p, seed, tile, out=None, varlen=None):
     """Launch the forward. bias, kv_len: from prepare_padding, or None for no padding (or varlen).
     Returns out [b, heads, s, d] (stored as [b, s, heads, d], so merging heads is a free view) and
-    lse float32 [b, heads, s] (base 2); with varlen (a Varlen, q, k, v [1, heads, n, d]) out is
-    [1, heads, n, d] (stored [n, heads, d]) and lse [batch, heads, max_len]."""
-    _, _, n, d = q.shape
+    lse float32 [b, heads, s] (base 2); with varlen (a Varlen; q, k, v [n, heads, d]) out is
+    [n, heads, d] and lse [batch, heads, max_len]."""
+    d = q.shape[-1]
     b, h, s = grid_layout(q, varlen)
-    if out is None:
-        out = torch.empty(q.shape[0], n, h, d, dtype=q.dtype, device=q.device).transpose(1, 2)  # [., h, n, d]
+    if out is None and varlen is None:
+        out = torch.empty(b, s, h, d, dtype=q.dtype, device=q.device).transpose(1, 2)   # [b, h, s, d] view
+    elif out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)                       # [n, h, d]
     lse = torch.empty(b, h, s, dtype=torch.float32, device=q.device)
     grid = (triton.cdiv(s, tile.block_m) * b * h,)
     lengths = varlen.cu_seqlens if varlen is not None else kv_len

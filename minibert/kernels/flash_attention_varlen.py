@@ -23,63 +23,76 @@ on [b, s'], and the two layouts give the same numbers (tests/test_flash_varlen.p
 
 qkv arrives as the fused projection made it, [n, heads, 3, d] (rows ordered [heads, 3, d], as in
 flash_attention_packed.py), and its gradient is written into one buffer of that layout: no stack, no copy.
-The output is [n, heads, d], which the output projection reads as [n, heads * d] without a copy."""
+The output is [n, heads, d], which the output projection reads as [n, heads * d] without a copy. The kernels
+address every tensor through its strides, so q, k, v are plain [n, heads, d] views into qkv (the varlen
+layout has no batch stride) and dq, dk, dv views into the gradient's buffer."""
 import torch
 
 from minibert.errors import UsageError
-from minibert.kernels.flash_attention import Varlen, attention_forward, check_inputs, pick_tiles
-
-
-def _views(qkv):
-    """qkv [n, heads, 3, d] -> q, k, v as [1, heads, n, d] strided views (no copy)."""
-    return [t.transpose(0, 1)[None] for t in qkv.unbind(2)]
+from minibert.kernels import interpreting
+from minibert.kernels.flash_attention import MAX_HEAD_DIM, SUPPORTED_DTYPES, Varlen, attention_forward, pick_tiles
 
 
 class FlashAttentionVarlen(torch.autograd.Function):
+    """Every view here is one op on the packed buffers: on small batches the host's time per call, not
+    the GPU's, is what a layer waits for (chapter 8, section 4.12)."""
+
     @staticmethod
     def forward(ctx, qkv, cu_seqlens, max_len, scale, dropout_p, seed):
-        q, k, v = _views(qkv)
+        q, k, v = qkv.unbind(2)                                   # 3 x [n, heads, d] views
         varlen = Varlen(cu_seqlens, cu_seqlens.numel() - 1, max_len)
-        tiles = pick_tiles(q.shape[-1], q.dtype, dropout_p > 0)
+        tiles = pick_tiles(qkv.shape[-1], qkv.dtype, dropout_p > 0)
         out, lse = attention_forward(q, k, v, None, None, scale, dropout_p, seed, tiles[0], varlen=varlen)
         ctx.save_for_backward(qkv, cu_seqlens, out, lse)
-        ctx.max_len, ctx.scale, ctx.dropout_p, ctx.seed, ctx.tiles = max_len, scale, dropout_p, seed, tiles
-        return out[0].transpose(0, 1)  # [1, heads, n, d] view of [n, heads, d] storage -> [n, heads, d]
+        ctx.varlen, ctx.scale, ctx.dropout_p, ctx.seed, ctx.tiles = varlen, scale, dropout_p, seed, tiles
+        return out                                                # [n, heads, d]
 
     @staticmethod
     def backward(ctx, grad_out):
         from minibert.kernels.flash_attention_bwd import launch_dkdv, launch_dq
-        qkv, cu_seqlens, out, lse = ctx.saved_tensors
-        varlen = Varlen(cu_seqlens, cu_seqlens.numel() - 1, ctx.max_len)
-        q, k, v = _views(qkv)
+        qkv, _, out, lse = ctx.saved_tensors
+        q, k, v = qkv.unbind(2)
         dqkv = torch.empty_like(qkv)  # [n, heads, 3, d]: the kernels write into its three views
-        dq, dk, dv = _views(dqkv)
-        grad_out = (grad_out if grad_out.stride(-1) == 1 else grad_out.contiguous()).transpose(0, 1)[None]
+        dq, dk, dv = dqkv.unbind(2)
+        grad_out = grad_out if grad_out.stride(-1) == 1 else grad_out.contiguous()
         delta = torch.empty_like(lse)
         _, dq_tile, dkdv_tile = ctx.tiles
         launch_dq(grad_out, q, k, v, out, lse, delta, dq, None, None, ctx.scale, ctx.dropout_p, ctx.seed,
-                  dq_tile, varlen=varlen)
+                  dq_tile, varlen=ctx.varlen)
         launch_dkdv(grad_out, q, k, v, lse, delta, dk, dv, None, None, ctx.scale, ctx.dropout_p, ctx.seed,
-                    dkdv_tile, varlen=varlen)
+                    dkdv_tile, varlen=ctx.varlen)
         return dqkv, None, None, None, None, None
 
 
-def flash_attention_varlen(qkv, cu_seqlens, max_len, scale=None, dropout_p=0.0, seed=None):
-    """qkv [n, heads, 3, d] packed rows (contiguous, as the fused projection makes them), cu_seqlens int32
-    [b + 1] on qkv's device (sample i is rows cu_seqlens[i] .. cu_seqlens[i + 1] - 1), max_len >= every
-    sample's length (Python int) -> out [n, heads, d]. Each sample attends to its own rows only. Otherwise
-    as minibert.kernels.flash_attention.flash_attention (dropout: the mask of the padded kernels on
-    [b, max_len] when the rows are right-padded samples)."""
-    if qkv.dim() != 4 or qkv.shape[2] != 3:
-        raise UsageError(f"flash_attention_varlen needs qkv [n, heads, 3, d]; got {tuple(qkv.shape)}")
+def check_inputs(qkv, cu_seqlens, dropout_p):
+    """One clear UsageError for anything the kernels do not support (a few attribute reads per call)."""
+    if qkv.dim() != 4 or qkv.shape[2] != 3 or qkv.shape[0] == 0:
+        raise UsageError(f"flash_attention_varlen needs qkv [n, heads, 3, d] with n > 0; got {tuple(qkv.shape)}")
+    if qkv.dtype not in SUPPORTED_DTYPES:
+        raise UsageError(f"flash_attention_varlen supports float16, bfloat16 and float32; got {qkv.dtype}")
+    d = qkv.shape[-1]
+    if d % 8 or not 16 <= d <= MAX_HEAD_DIM:
+        raise UsageError(f"flash_attention_varlen supports head dims that are multiples of 8 from 16 to "
+                         f"{MAX_HEAD_DIM}; got {d}")
     if cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 \
             or cu_seqlens.device != qkv.device:
         raise UsageError(f"flash_attention_varlen needs cu_seqlens int32 [b + 1] on {qkv.device}; got "
                          f"{cu_seqlens.dtype} {tuple(cu_seqlens.shape)} on {cu_seqlens.device}")
-    q, k, v = _views(qkv)
-    check_inputs(q, k, v, None, dropout_p)
-    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    if qkv.device.type != "cuda" and not interpreting():
+        raise UsageError("flash_attention_varlen runs on CUDA (or on CPU with TRITON_INTERPRET=1)")
+    if not 0.0 <= dropout_p < 1.0:
+        raise UsageError(f"flash_attention_varlen: dropout_p must be in [0, 1); got {dropout_p}")
+
+
+def flash_attention_varlen(qkv, cu_seqlens, max_len, scale=None, dropout_p=0.0, seed=None):
+    """qkv [n, heads, 3, d] packed rows (as the fused projection makes them), cu_seqlens int32 [b + 1] on
+    qkv's device (sample i is rows cu_seqlens[i] .. cu_seqlens[i + 1] - 1), max_len >= every sample's
+    length (Python int) -> out [n, heads, d]. Each sample attends to its own rows only. Otherwise as
+    minibert.kernels.flash_attention.flash_attention (dropout: the mask of the padded kernels on
+    [b, max_len] when the rows are right-padded samples)."""
+    check_inputs(qkv, cu_seqlens, dropout_p)
+    scale = qkv.shape[-1] ** -0.5 if scale is None else float(scale)
     if seed is None:
         seed = int(torch.randint(0, 2**31 - 1, (1,)).item()) if dropout_p > 0 else 0
-    return FlashAttentionVarlen.apply(qkv.contiguous(), cu_seqlens, int(max_len), scale, float(dropout_p),
-                                      int(seed))
+    qkv = qkv if qkv.stride(-1) == 1 else qkv.contiguous()
+    return FlashAttentionVarlen.apply(qkv, cu_seqlens, int(max_len), scale, float(dropout_p), int(seed))
