@@ -8,14 +8,14 @@ import pytest
 import torch
 
 import minibert.kernels.flash_attention_varlen as varlen_module
-from minibert.batches import build_data_iterator, build_datasets, get_batch
-from minibert.config import Config, validate
+from minibert.batches import get_batch
+from minibert.config import Config
 from minibert.errors import UsageError
 from minibert.kernels.flash_attention import attention_reference
 from minibert.kernels.flash_attention_packed import flash_attention_qkv
 from minibert.kernels.flash_attention_varlen import flash_attention_varlen
 from minibert.packing import PACK_BELOW, make_packing
-from minibert.train import build_model_and_optimizer, forward_step
+from tests.test_packing import packed_and_padded_runs
 
 
 def padded_and_packed(lengths, s, heads, d, seed=0):
@@ -86,27 +86,17 @@ def test_packed_model_on_flash_equals_padded(tiny_data, post_ln, monkeypatch):
                  global_batch_size=2, train_iters=2, lr=1e-3, data_path=[tiny_data["prefix"]],
                  vocab_file=tiny_data["vocab"], split="90,5,5", hidden_dropout=0.0, attention_dropout=0.0,
                  post_ln=post_ln, eval_iters=0, attention_backend="flash")
-    validate(cfg)
-    _, (train_ds, _, _) = build_datasets(cfg, log=lambda line: None)
-    device = torch.device("cpu")
-    results = {}
-    for packed in (True, False):
-        run_cfg = dataclasses.replace(cfg, pack_tokens=packed)
-        model, _, _ = build_model_and_optimizer(run_cfg, device)
-        batch = get_batch(build_data_iterator(train_ds, 0, run_cfg, device), device, run_cfg)
-        if packed:
-            assert batch["packing"] is not None
-        loss, _ = forward_step(batch, model, None, run_cfg)
-        loss.backward()
-        results[packed] = (loss.detach(), {n: p.main_grad.clone() for n, p in model.named_parameters()})
+    results = packed_and_padded_runs(cfg)
+    assert results[True][2] is not None                      # the packed run did pack
     assert len(calls) == 2  # one varlen call per layer, packed run only
-    (loss_p, grads_p), (loss_u, grads_u) = results[True], results[False]
+    (loss_p, grads_p, _, _), (loss_u, grads_u, _, _) = results[True], results[False]
     torch.testing.assert_close(loss_p, loss_u, rtol=1e-5, atol=0)
     for name, grad in grads_u.items():
         error = (grads_p[name] - grad).norm() / grad.norm().clamp(min=1e-12)
         assert error < 1e-4, (name, float(error))
 
     # a micro-batch of 90% real tokens: packed with flash, not with the scatter route (local backend)
+    device = torch.device("cpu")
     is_pad = torch.zeros(2, 64, dtype=torch.bool)
     is_pad[1, 52:] = True
     assert PACK_BELOW < float((~is_pad).float().mean()) < 1.0

@@ -25,13 +25,9 @@ def test_packing_indices_round_trip():
     assert trimmed_length(is_pad, multiple=4) == 4 and trimmed_length(is_pad, multiple=64) == 6
 
 
-@pytest.mark.parametrize("post_ln", [False, True])
-@pytest.mark.parametrize("sparse", [False, True])
-def test_packed_equals_padded(tiny_data, post_ln, sparse):
-    cfg = Config(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=256, micro_batch_size=4,
-                 global_batch_size=4, train_iters=2, lr=1e-3, data_path=[tiny_data["prefix"]],
-                 vocab_file=tiny_data["vocab"], split="90,5,5", hidden_dropout=0.0, attention_dropout=0.0,
-                 post_ln=post_ln, sparse_mlm=sparse, eval_iters=0)
+def packed_and_padded_runs(cfg):
+    """One forward and backward of the first micro-batch, packed and padded (the twin) ->
+    {pack_tokens: (loss, {name: main_grad}, packing, trimmed seq length)}."""
     validate(cfg)
     _, (train_ds, _, _) = build_datasets(cfg, log=lambda line: None)
     device = torch.device("cpu")
@@ -40,12 +36,23 @@ def test_packed_equals_padded(tiny_data, post_ln, sparse):
         run_cfg = dataclasses.replace(cfg, pack_tokens=packed)
         model, _, _ = build_model_and_optimizer(run_cfg, device)
         batch = get_batch(build_data_iterator(train_ds, 0, run_cfg, device), device, run_cfg)
-        if packed:
-            assert batch["packing"].index.numel() < 4 * batch["text"].shape[1]  # fewer rows than [b, s]
-        loss, metrics = forward_step(batch, model, None, run_cfg)
+        loss, _ = forward_step(batch, model, None, run_cfg)
         loss.backward()
-        results[packed] = (loss.detach(), {n: p.main_grad.clone() for n, p in model.named_parameters()})
-    (loss_p, grads_p), (loss_u, grads_u) = results[True], results[False]
+        results[packed] = (loss.detach(), {n: p.main_grad.clone() for n, p in model.named_parameters()},
+                           batch["packing"], batch["text"].shape[1])
+    return results
+
+
+@pytest.mark.parametrize("post_ln", [False, True])
+@pytest.mark.parametrize("sparse", [False, True])
+def test_packed_equals_padded(tiny_data, post_ln, sparse):
+    cfg = Config(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=256, micro_batch_size=4,
+                 global_batch_size=4, train_iters=2, lr=1e-3, data_path=[tiny_data["prefix"]],
+                 vocab_file=tiny_data["vocab"], split="90,5,5", hidden_dropout=0.0, attention_dropout=0.0,
+                 post_ln=post_ln, sparse_mlm=sparse, eval_iters=0)
+    results = packed_and_padded_runs(cfg)
+    assert results[True][2].index.numel() < 4 * results[True][3]  # fewer rows than [b, s]
+    (loss_p, grads_p, _, _), (loss_u, grads_u, _, _) = results[True], results[False]
     torch.testing.assert_close(loss_p, loss_u, rtol=1e-6, atol=0)
     for name, grad in grads_u.items():
         error = (grads_p[name] - grad).norm() / grad.norm().clamp(min=1e-12)
