@@ -87,7 +87,8 @@ def check_inputs(qkv, cu_seqlens, dropout_p):
 def flash_attention_varlen(qkv, cu_seqlens, max_len, scale=None, dropout_p=0.0, seed=None):
     """qkv [n, heads, 3, d] packed rows (as the fused projection makes them), cu_seqlens int32 [b + 1] on
     qkv's device (sample i is rows cu_seqlens[i] .. cu_seqlens[i + 1] - 1), max_len >= every sample's
-    length (Python int) -> out [n, heads, d]. Each sample attends to its own rows only. Otherwise as
+    length (Python int; not checked, which would make the host wait for the device: rows past max_len
+    would be left unwritten) -> out [n, heads, d]. Each sample attends to its own rows only. Otherwise as
     minibert.kernels.flash_attention.flash_attention (dropout: the mask of the padded kernels on
     [b, max_len] when the rows are right-padded samples)."""
     check_inputs(qkv, cu_seqlens, dropout_p)
