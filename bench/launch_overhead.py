@@ -22,7 +22,7 @@ import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from minibert.kernels.flash_attention import attention_forward, pick_tiles  # noqa: E402
+from minibert.kernels.flash_attention import Varlen, attention_forward, pick_tiles  # noqa: E402
 from minibert.kernels.flash_attention_varlen import flash_attention_varlen  # noqa: E402
 from minibert.kernels.layer_norm import dropout_add_layer_norm  # noqa: E402
 
@@ -65,7 +65,6 @@ def cases(device):
     grad_out = torch.randn(n, heads, d, device=device, dtype=torch.bfloat16)
     q, k, v = rows.unbind(2)  # [n, heads, d] views, as FlashAttentionVarlen launches them
     tile = pick_tiles(d, torch.bfloat16, True)[0]
-    from minibert.kernels.flash_attention import Varlen
     varlen = Varlen(cu, 2, 64)
     res = torch.randn(n, h, device=device, dtype=torch.bfloat16)
     y = torch.randn(n, h, device=device, dtype=torch.bfloat16)

@@ -11,7 +11,7 @@ torch.cuda.set_sync_debug_mode("warn"), which counts the operations that make th
 
 Variants (PLAN says which run on which batches): packed (the trainer's default: the varlen flash kernel
 reads the packed rows) and the same again (the spread of one configuration), packed through the scatter
-route (attention on a zeroed [b, s', 3h] buffer, as every non-flash backend runs), packed with the fused
+route (attention on a zeroed [b, s', 3h] buffer, and the 85% rule, as every non-flash backend runs), packed with the fused
 LayerNorm off, with Python's automatic garbage collector off, padded (--no-pack-tokens). Full-length
 batches have nothing to pack: there "packed" is the trainer's default path on them.
 bench/notes-packing.md reads the results."""
@@ -30,9 +30,9 @@ import torch  # noqa: E402
 from bench import train_bench  # noqa: E402
 from bench.train_bench_data import megatron_batches, stream_batches  # noqa: E402
 from minibert.config import Config  # noqa: E402
-from minibert.attention import attention_qkv  # noqa: E402
-from minibert.model import SelfAttention  # noqa: E402
-from minibert.packing import gather_rows, scatter_rows  # noqa: E402
+import minibert.batches as batches_module  # noqa: E402
+import minibert.model as model_module  # noqa: E402
+from minibert import attention  # noqa: E402
 from minibert.train import build_model_and_optimizer, train_step  # noqa: E402
 
 VARIANTS = {  # name -> (config overrides, attention through the scatter route, automatic gc off)
@@ -56,15 +56,11 @@ PLAN = {  # batches -> the variants run on them, in this order
 }
 
 
-def scatter_core(self, qkv, padding_mask, backend, dropout_p, packing=None):
-    """SelfAttention.core as every non-flash backend runs it, with the padded flash kernel: the packed rows
-    scattered into a zeroed [b, s', 3h] buffer, attention there, the real rows gathered back."""
-    if packing is not None:
-        qkv = scatter_rows(qkv, packing)
-    b, s = qkv.shape[:2]
-    out = attention_qkv(qkv.view(b, s, -1, 3, self.head_dim), padding_mask, backend=backend, dropout_p=dropout_p)
-    out = out.transpose(1, 2).reshape(b, s, -1)
-    return gather_rows(out, packing) if packing is not None else out
+def use_scatter_route(on):
+    """Make the flash backend take the scatter route of every other backend (on) or its own varlen route:
+    the one decision, attention.reads_packed_rows, as the model and get_batch imported it."""
+    decide = (lambda backend: False) if on else attention.reads_packed_rows
+    model_module.reads_packed_rows = batches_module.reads_packed_rows = decide
 
 
 def kernel_ms_per_step(cfg, batches, device, steps=2, cpu_table=False):
@@ -138,12 +134,11 @@ def main():
                 "default corpus": megatron_batches(prefix, count, cfg, device)}
     lines = ["| batches | variant | wall ms/step | kernel ms/step | wall - kernels | host syncs in one step |",
              "|---|---|---|---|---|---|"]
-    real = SelfAttention.core
     for what, names in PLAN.items():
         batches = datasets[what]
         for name in names:
             overrides, scatter, gc_off = VARIANTS[name]
-            SelfAttention.core = scatter_core if scatter else real
+            use_scatter_route(scatter)
             run_cfg = Config(**{**vars(cfg), **overrides})
             if gc_off:
                 gc.disable()  # no automatic collections during the steps (measure's gc.collect() still runs)
@@ -157,7 +152,7 @@ def main():
             line = f"| {what} | {name} | {wall:.1f} | {kernels:.1f} | {wall - kernels:.1f} | {syncs} |"
             print(line, flush=True)
             lines.append(line)
-    SelfAttention.core = real
+    use_scatter_route(False)
     lines += ["", "| kernel | variant | time |", "|---|---|---|"] + attention_kernels(device)
     text = "\n".join(lines) + "\n"
     print(text)

@@ -40,6 +40,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from minibert.config import compute_dtype
 from minibert.errors import UsageError
 
 BACKENDS = ("auto", "local", "unfused", "fused", "flash")
@@ -60,6 +61,18 @@ def resolve_backend(name: str, device, dtype=None, head_dim=None) -> str:
     if device.type == "cuda" and half and head_dim in FLASH_HEAD_DIMS:
         return "flash"
     return "local"
+
+
+def backend_for(cfg, device) -> str:
+    """cfg.attention_backend resolved for the model that cfg builds on `device` (in its compute dtype)."""
+    return resolve_backend(cfg.attention_backend, device, compute_dtype(cfg),
+                           cfg.hidden_size // cfg.num_attention_heads)
+
+
+def reads_packed_rows(backend: str) -> bool:
+    """True where attention takes packed rows [n, ...] with cu_seqlens (the flash kernels' varlen layout,
+    kernels/flash_attention_varlen.py); the other backends need the padded [b, s] layout around them."""
+    return backend == "flash"
 
 
 def attention(q, k, v, padding_mask=None, *, backend="local", dropout_p=0.0):

@@ -20,7 +20,7 @@ import torch
 from minibert.blended_dataset import build_blended_train_valid_test_datasets, parse_data_path
 from minibert.errors import UsageError
 from minibert.masked_lm import open_data_prefix, split_num_samples
-from minibert.attention import resolve_backend
+from minibert.attention import backend_for, reads_packed_rows
 from minibert.packing import make_packing, packing_threshold, to_device, trimmed_length, worth_packing
 from minibert.tokenizer import DEFAULT_VOCAB_FILE, build_tokenizer
 
@@ -123,13 +123,6 @@ def batch_flops(cpu_batch, cfg, is_pad):
     return model_flops(cfg, lengths, head_positions), int(lengths.sum())
 
 
-def attention_reads_packed_rows(cfg, device) -> bool:
-    """True when the model's attention backend is flash, whose varlen kernel reads packed rows directly."""
-    dtype = torch.float16 if cfg.fp16 else torch.bfloat16 if cfg.bf16 else torch.float32
-    return resolve_backend(cfg.attention_backend, device, dtype,
-                           cfg.hidden_size // cfg.num_attention_heads) == "flash"
-
-
 def get_batch(data_iterator, device, cfg):
     """The next micro-batch as device tensors, plus `is_pad` (bool [b, s], True = padding), its model FLOPs
     and real tokens (Python numbers), and the indices the model and loss need, computed here on the CPU:
@@ -151,7 +144,7 @@ def get_batch(data_iterator, device, cfg):
         s = trimmed_length(is_pad)
         cpu_batch = {k: v[:, :s] if v.dim() == 2 else v for k, v in cpu_batch.items()}
         is_pad = is_pad[:, :s]
-        if worth_packing(is_pad, packing_threshold(attention_reads_packed_rows(cfg, device))):
+        if worth_packing(is_pad, packing_threshold(reads_packed_rows(backend_for(cfg, device)))):
             packing = make_packing(is_pad)
             loss_positions = packing.index  # one LM row per real token
     if cfg.sparse_mlm:

@@ -13,6 +13,7 @@ import random
 import numpy as np
 import torch
 
+from minibert.config import compute_dtype
 from minibert.lr_schedule import build_scheduler
 from minibert.model import BertModel, init_parameters
 from minibert.optim import build_optimizer
@@ -40,10 +41,6 @@ def as_state(state_or_device) -> ParallelState:
     if isinstance(state_or_device, ParallelState):
         return state_or_device
     return ParallelState(device=torch.device(state_or_device))
-
-
-def compute_dtype(cfg):
-    return torch.float16 if cfg.fp16 else torch.bfloat16 if cfg.bf16 else torch.float32
 
 
 def build_model(cfg, state):

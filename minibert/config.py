@@ -210,6 +210,12 @@ PRESETS = {  # the three sizes of Megatron's BERT example (BERT-large is its "34
     "20b": dict(num_layers=48, hidden_size=6144, num_attention_heads=96, seq_length=512, max_position_embeddings=512),
 }
 
+def compute_dtype(cfg):
+    """The dtype the model's weights and activations are in: float16 (--fp16), bfloat16 (--bf16), else float32."""
+    import torch  # here, not at the top: the config (and --help) load without torch
+    return torch.float16 if cfg.fp16 else torch.bfloat16 if cfg.bf16 else torch.float32
+
+
 def _flag_name(name: str) -> str:
     return "--" + name.replace("_", "-")
 

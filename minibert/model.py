@@ -39,7 +39,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from minibert.attention import attention_qkv, resolve_backend
+from minibert.attention import attention_qkv, reads_packed_rows, resolve_backend
 from minibert.init_weights import init_parameters  # noqa: F401 (BertModel's init; re-exported)
 from minibert.packing import gather_rows, scatter_rows
 
@@ -130,7 +130,7 @@ class SelfAttention(nn.Module):
         """softmax(q k^T / sqrt(d)) v for every head: qkv [b, s, 3hd] -> [b, s, hd], or packed [n, 3hd] -> [n, hd].
         Packed rows go straight to the varlen flash kernel; the other backends want the padded layout, so
         the rows are scattered into it and gathered back (minibert.packing)."""
-        if packing is not None and backend == "flash":
+        if packing is not None and reads_packed_rows(backend):
             from minibert.kernels.flash_attention_varlen import flash_attention_varlen
             n = qkv.shape[0]
             qkv = qkv.view(n, -1, 3, self.head_dim)  # [n, heads, 3, d]

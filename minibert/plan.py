@@ -32,8 +32,8 @@ if __package__ in (None, ""):  # run as a script from a checkout: make `minibert
 import torch
 
 from minibert import plan_memory as pm
-from minibert.attention import resolve_backend
-from minibert.config import PRESETS, Config, build_parser, validate
+from minibert.attention import backend_for
+from minibert.config import PRESETS, Config, build_parser, compute_dtype, validate
 from minibert.errors import UsageError, exit_on_usage_error, print_error_line
 from minibert.parallel.schedules import layer_ranges
 from minibert.plan_time import HARDWARE, estimate, spans_nodes
@@ -259,9 +259,8 @@ def time_section(cfg, hw, est, world) -> list:
 
 
 def report(cfg, hw, world, nnodes, gpus_per_node) -> str:
-    dtype = torch.float16 if cfg.fp16 else torch.bfloat16 if cfg.bf16 else torch.float32
-    precision = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}[dtype]
-    backend = resolve_backend(cfg.attention_backend, "cuda", dtype, cfg.hidden_size // cfg.num_attention_heads)
+    precision = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}[compute_dtype(cfg)]
+    backend = backend_for(cfg, "cuda")
     all_stages = pm.stages(cfg)
     tables = {s.rank: pm.memory_table(cfg, s, backend) for s in all_stages}
     mine = (cfg.recompute, cfg.use_distributed_optimizer)

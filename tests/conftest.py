@@ -15,6 +15,18 @@ import torch  # noqa: E402
 
 torch.set_num_threads(1)
 
+import subprocess  # noqa: E402
+
+
+def run_without_interpreter(code):
+    """Run `code` in a fresh Python without TRITON_INTERPRET (triton.jit reads it when a kernel module is
+    imported, so this process's kernels are interpreted for good), one thread, the repo importable ->
+    the CompletedProcess. For the errors kernels raise when they cannot run on a CPU tensor."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, "-c", "import torch; torch.set_num_threads(1)\n" + code], env=env,
+                          capture_output=True, text=True, timeout=300)
+
 import collections  # noqa: E402
 
 import pytest  # noqa: E402

@@ -5,17 +5,14 @@ The oracle is written here, in float64 on the upcast inputs, as explicit max-shi
 gathered target (not the module's code); its gradient comes from float64 autograd. The plain twin is
 minibert.model.lm_cross_entropy (fp32 cast + F.cross_entropy), which the model runs without the kernel."""
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from minibert.kernels.cross_entropy import INTERPRETER_CONFIG, _FusedCrossEntropy, fused_cross_entropy
 from minibert.model import lm_cross_entropy
+from tests.conftest import run_without_interpreter
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 BLOCK = INTERPRETER_CONFIG.block_v  # 256: the V below give one partial chunk, exact chunks, partial last chunks
 VOCABS = (7, 2 * BLOCK, 1000, 1531)
@@ -239,11 +236,8 @@ def test_unsupported_inputs_raise_one_clear_error(logits, labels, error, words):
 
 def test_cpu_without_interpreter_names_the_fix():
     """Without TRITON_INTERPRET a CPU tensor cannot run a Triton kernel: say where it can run."""
-    code = ("import torch; torch.set_num_threads(1)\n"
-            "from minibert.kernels.cross_entropy import fused_cross_entropy\n"
+    code = ("from minibert.kernels.cross_entropy import fused_cross_entropy\n"
             "try:\n    fused_cross_entropy(torch.zeros(2, 4), torch.zeros(2, dtype=torch.int64))\n"
             "except ValueError as e:\n    print(e)\n")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    out = run_without_interpreter(code)
     assert "runs on CUDA tensors (or on CPU with TRITON_INTERPRET=1" in out.stdout, out.stdout + out.stderr

@@ -4,8 +4,6 @@ Outputs are compared at real query rows only (padded rows are unspecified); dO i
 rows, as the contract says, so gradients of every input are compared everywhere."""
 import itertools
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -16,8 +14,7 @@ from minibert.kernels.dropout import dropout_mask, dropout_threshold, effective_
 from minibert.kernels.flash_attention import (DROPOUT_FORWARD_TILES, FP32_TILES, TILE_CANDIDATES, attention_forward,
                                               attention_reference, flash_attention, prepare_padding)
 from minibert.kernels.flash_attention_bwd import attention_backward
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.conftest import run_without_interpreter
 
 
 def right_padded(lengths, s):
@@ -262,12 +259,9 @@ def test_unsupported_inputs_raise(change, message):
 def test_cpu_without_interpreter_raises():
     """Without TRITON_INTERPRET (read by triton.jit at import) a CPU tensor cannot run the kernels: the
     error says where they run. A fresh process, since this one imported the kernels interpreted."""
-    code = ("import torch; torch.set_num_threads(1)\n"
-            "from minibert.errors import UsageError\n"
+    code = ("from minibert.errors import UsageError\n"
             "from minibert.kernels.flash_attention import flash_attention\n"
             "q = torch.zeros(1, 1, 4, 32)\n"
             "try:\n    flash_attention(q, q, q)\nexcept UsageError as e:\n    print(e)\n")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    out = run_without_interpreter(code)
     assert "flash_attention runs on CUDA (or on CPU with TRITON_INTERPRET=1)" in out.stdout, out.stdout + out.stderr

@@ -3,9 +3,6 @@
 The oracle is written here, in float64 on the upcast inputs, as explicit exp-and-normalise (not the
 module's own reference): y = exp(z - max) * keep / sum(exp(z - max) * keep), z = x * scale, and 0 on rows
 with every key masked. Its gradient comes from float64 autograd."""
-import os
-import subprocess
-import sys
 import warnings
 
 import pytest
@@ -13,8 +10,8 @@ import torch
 
 from minibert.kernels.softmax import (MAX_ONE_PASS_BLOCK, SoftmaxConfig, default_config,
                                       fused_scale_mask_softmax, softmax_reference)
+from tests.conftest import run_without_interpreter
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Forward: the output is rounded once to its dtype (half an ulp: 2^-24, 2^-11, 2^-8 relative).
 Y_TOL = {torch.float32: dict(rtol=1e-5, atol=1e-7), torch.float16: dict(rtol=1e-3, atol=1e-6),
@@ -193,11 +190,8 @@ def test_bad_config_is_rejected():
 
 def test_cpu_without_interpreter_names_the_fix():
     """Without TRITON_INTERPRET a CPU tensor cannot run a Triton kernel: say where it can run."""
-    code = ("import torch; torch.set_num_threads(1)\n"
-            "from minibert.kernels.softmax import fused_scale_mask_softmax\n"
+    code = ("from minibert.kernels.softmax import fused_scale_mask_softmax\n"
             "try:\n    fused_scale_mask_softmax(torch.zeros(1, 1, 2, 4), None, 1.0)\n"
             "except ValueError as e:\n    print(e)\n")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    out = run_without_interpreter(code)
     assert "runs on CUDA tensors (or on CPU with TRITON_INTERPRET=1" in out.stdout, out.stdout + out.stderr

@@ -43,14 +43,14 @@ class FlashAttentionVarlen(torch.autograd.Function):
         varlen = Varlen(cu_seqlens, cu_seqlens.numel() - 1, max_len)
         tiles = pick_tiles(qkv.shape[-1], qkv.dtype, dropout_p > 0)
         out, lse = attention_forward(q, k, v, None, None, scale, dropout_p, seed, tiles[0], varlen=varlen)
-        ctx.save_for_backward(qkv, cu_seqlens, out, lse)
+        ctx.save_for_backward(qkv, out, lse)
         ctx.varlen, ctx.scale, ctx.dropout_p, ctx.seed, ctx.tiles = varlen, scale, dropout_p, seed, tiles
         return out                                                # [n, heads, d]
 
     @staticmethod
     def backward(ctx, grad_out):
         from minibert.kernels.flash_attention_bwd import launch_dkdv, launch_dq
-        qkv, _, out, lse = ctx.saved_tensors
+        qkv, out, lse = ctx.saved_tensors
         q, k, v = qkv.unbind(2)
         dqkv = torch.empty_like(qkv)  # [n, heads, 3, d]: the kernels write into its three views
         dq, dk, dv = dqkv.unbind(2)
