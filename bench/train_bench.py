@@ -21,7 +21,8 @@ Sections (--sections picks them):
        minibert packed (the default), minibert padded (--no-pack-tokens), HF eager with the attention mask
     3  BERT-base s128 b256, full-length batches (as section 1)
     4  make train-small's model (4 layers, 128 hidden, 8 heads, s128, micro 4, global 16) on Megatron
-       samples of the default corpus: ms per train_step, fp32 as the Makefile runs it, and bf16
+       samples of the default corpus: ms per train_step, fp32 and bf16, eager (packed micro-batches) and,
+       on a GPU, with --cuda-graph-impl local (padded micro-batches, each one CUDA graph replay)
     5  the fused kernels' gains: sections 1 and 3's minibert with --no-bias-dropout-fusion, with
        --no-cross-entropy-loss-fusion and with both (skipped on the CPU, where the plain ops always run)
 
@@ -341,31 +342,40 @@ def section_4(settings):
                 lr_decay_iters=100, bf16=False)
     label = f"train-small (l{layers} h{hidden} s{seq}, micro {micro}, global {global_batch})"
     prefix, _ = corpus_prefix("default", settings)
+    graphs = [False, True] if settings.device.type == "cuda" else [False]  # CUDA graphs need a GPU
     rows = []
-    for precision in ("fp32", "bf16"):
-        cfg = minibert_config("small", settings, **{**base, "bf16": precision == "bf16"})
-        batches = megatron_batches(prefix, batches_needed(cfg, settings), cfg, settings.device)
-        result = measure("minibert", cfg, batches, settings)
-        target = "; target <= 15 ms on the H200" if precision == "fp32" else ""
-        rows += print_rows([row(f"{label}, {precision}: ms per iteration, pre-built batches",
-                                1e3 * result.seconds / result.steps, "ms",
-                                f"train_step only; {result.tokens_per_s:,.0f} real tokens/s{target}")])
+    for graphed in graphs:
+        how = {"cuda_graph_impl": "local", "pack_tokens": False} if graphed else {}
+        name = ", --cuda-graph-impl local" if graphed else ""
+        for precision in ("fp32", "bf16"):
+            cfg = minibert_config("small", settings, **{**base, **how, "bf16": precision == "bf16"})
+            batches = megatron_batches(prefix, batches_needed(cfg, settings), cfg, settings.device)
+            result = measure("minibert", cfg, batches, settings)
+            target = "; target <= 15 ms on the H200" if precision == "fp32" else ""
+            layout = "padded [4, 128] micro-batches, one graph replay each" if graphed else "packed micro-batches"
+            rows += print_rows([row(f"{label}{name}, {precision}: ms per iteration, pre-built batches",
+                                    1e3 * result.seconds / result.steps, "ms",
+                                    f"train_step only; {layout}; {result.tokens_per_s:,.0f} real tokens/s{target}")])
     # the same fp32 step fed by the trainer's DataLoader (worker processes making Megatron's samples)
-    cfg = minibert_config("small", settings, **{**base, "num_workers": None, "data_path": [prefix]})
-    _, (train_ds, _, _) = build_datasets(cfg, log=lambda line: None)
-    loader = build_data_iterator(train_ds, 0, cfg, settings.device)
-    model, optimizer, scheduler = build_model_and_optimizer(cfg, settings.device)
-    for _ in range(settings.warmup):
-        train_step(model, optimizer, scheduler, loader, cfg, settings.device)
-    synchronize(settings.device)
-    start = time.perf_counter()
-    for _ in range(settings.steps):
-        train_step(model, optimizer, scheduler, loader, cfg, settings.device)
-    synchronize(settings.device)
-    ms = 1e3 * (time.perf_counter() - start) / settings.steps
-    return rows + print_rows([row(f"{label}, fp32: ms per iteration, through the DataLoader", ms, "ms",
-                                  f"{cfg.num_workers} DataLoader worker processes (the trainer's default on "
-                                  f"this device, as make train-small)")])
+    for graphed in graphs:
+        how = {"cuda_graph_impl": "local", "pack_tokens": False} if graphed else {}
+        cfg = minibert_config("small", settings, **{**base, **how, "num_workers": None, "data_path": [prefix]})
+        _, (train_ds, _, _) = build_datasets(cfg, log=lambda line: None)
+        loader = build_data_iterator(train_ds, 0, cfg, settings.device)
+        model, optimizer, scheduler = build_model_and_optimizer(cfg, settings.device)
+        for _ in range(settings.warmup):
+            train_step(model, optimizer, scheduler, loader, cfg, settings.device)
+        synchronize(settings.device)
+        start = time.perf_counter()
+        for _ in range(settings.steps):
+            train_step(model, optimizer, scheduler, loader, cfg, settings.device)
+        synchronize(settings.device)
+        ms = 1e3 * (time.perf_counter() - start) / settings.steps
+        name = ", --cuda-graph-impl local" if graphed else ""
+        rows += print_rows([row(f"{label}{name}, fp32: ms per iteration, through the DataLoader", ms, "ms",
+                                f"{cfg.num_workers} DataLoader worker processes (the trainer's default on "
+                                f"this device, as make train-small)")])
+    return rows
 
 
 # Section 5: what each fused kernel buys, the trainer with it and without it (its plain twin), same batches.

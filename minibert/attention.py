@@ -92,7 +92,8 @@ def attention(q, k, v, padding_mask=None, *, backend="local", dropout_p=0.0):
     if backend == "flash":
         from minibert.kernels.flash_attention import flash_attention
         # dropout: the kernel's Philox seed is drawn from torch's CPU generator, so torch.manual_seed
-        # makes a run repeatable, as with the other backends' dropout
+        # makes a run repeatable, as with the other backends' dropout (on the device while a CUDA graph
+        # is captured: kernels/dropout.py, draw_seed)
         return flash_attention(q, k, v, padding_mask, scale, dropout_p)
     raise ValueError(f"unresolved attention backend {backend!r}: call resolve_backend first")
 

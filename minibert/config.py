@@ -57,6 +57,10 @@ class Config:
                                                   "Megatron's flag, there off by default); off: fp32 cast + "
                                                   "F.cross_entropy",
                                             action=argparse.BooleanOptionalAction)
+    cuda_graph_impl: str = _flag("none", "local: capture each micro-batch's forward + backward as one CUDA graph "
+                                         "and replay it (minibert/cuda_graphs.py; fixed [micro batch, seq] "
+                                         "shapes, TP = PP = 1); none: launch every kernel from Python",
+                                 choices=["none", "local", "transformer_engine"])
     preset: str = _flag(None, "fill the model flags of a known size (flags given explicitly win)",
                         choices=["340m", "4b", "20b"])
     # ---- activation recompute ----
@@ -286,6 +290,7 @@ def validate(cfg: Config, world_size: int = 1, device_type: str = "cpu", warn=_w
     if cfg.ddp_bucket_size is not None and cfg.ddp_bucket_size <= 0:
         raise UsageError(f"--ddp-bucket-size {cfg.ddp_bucket_size} must be positive (gradient elements)")
     _validate_for_device(cfg, device_type, warn)
+    _validate_cuda_graph(cfg, device_type, warn)
     from minibert.tokenizer import build_tokenizer  # the vocab's size sizes the embedding
     cfg.vocab_size = build_tokenizer(cfg.tokenizer_type, cfg.vocab_file).vocab_size
     return cfg
@@ -344,6 +349,36 @@ def _validate_for_device(cfg: Config, device_type: str, warn):
         warn(f"--num-workers {cfg.num_workers} -> 0 on the CPU: worker processes would compete with "
              "training for the cores")
     cfg.num_workers = 0
+
+
+def _validate_cuda_graph(cfg: Config, device_type: str, warn):
+    """--cuda-graph-impl local: what a captured micro-batch needs (minibert/cuda_graphs.py says why)."""
+    if cfg.cuda_graph_impl == "transformer_engine":
+        raise UsageError("--cuda-graph-impl transformer_engine needs NVIDIA Transformer Engine, which minibert "
+                         "does not use: pass --cuda-graph-impl local")
+    if cfg.cuda_graph_impl != "local":
+        return
+    if device_type != "cuda":
+        raise UsageError("--cuda-graph-impl local needs a CUDA GPU (graphs are a CUDA feature): drop the flag "
+                         "on this machine")
+    if cfg.tensor_model_parallel_size > 1 or cfg.pipeline_model_parallel_size > 1:
+        raise UsageError("--cuda-graph-impl local captures whole micro-batches on one rank's model: use it with "
+                         "--tensor-model-parallel-size 1 and --pipeline-model-parallel-size 1 (data parallelism "
+                         "works)")
+    if cfg.recompute is not None:
+        raise UsageError("--cuda-graph-impl local cannot capture activation recompute (it saves and restores "
+                         "random-generator states on the host): drop --recompute-* or the graph")
+    if cfg.sparse_mlm:
+        raise UsageError("--cuda-graph-impl local needs fixed shapes and --sparse-mlm sends a different number "
+                         "of rows through the LM head in every micro-batch: drop one of the two flags")
+    if cfg.pack_tokens:
+        warn("packed micro-batches are off: a CUDA graph replays fixed [micro batch, sequence] shapes (the "
+             "padded layout runs; --no-pack-tokens silences this)")
+        cfg.pack_tokens = False
+    if cfg.overlap_grad_reduce and cfg.data_parallel_size > 1:
+        warn("--overlap-grad-reduce is off with --cuda-graph-impl local: the gradients are reduced after the "
+             "last micro-batch's graph")
+        cfg.overlap_grad_reduce = False
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -19,7 +19,9 @@ written to TensorBoard (and the FLOP count behind MFU) is in training_log.py; th
 rank's model, optimizer and generators in build.py.
 
 Performance: the loop waits for the GPU once per step (the skip decision on a non-finite grad norm must
-reach the host) and at the log lines. Batches come from pinned memory and are copied without blocking."""
+reach the host) and at the log lines. Batches come from pinned memory and are copied without blocking.
+With --cuda-graph-impl local each micro-batch's forward and backward is one CUDA graph replay
+(minibert/cuda_graphs.py): for small models, whose steps are the host's launch time."""
 import functools
 import gc
 import os
@@ -36,6 +38,7 @@ from minibert.batches import (BATCH_KEYS, MicroBatchSampler, build_data_iterator
                               data_stream, get_batch)
 from minibert.build import as_chunks, as_state, build_model_and_optimizer, build_pipeline, set_random_seed
 from minibert.config import parse_args, validate
+from minibert.cuda_graphs import forward_backward_captured
 from minibert.errors import UsageError, exit_on_usage_error
 from minibert.model import pretraining_loss
 from minibert.parallel import faults
@@ -125,7 +128,9 @@ def train_step(model, optimizer, scheduler, data_iterator, cfg, state, pipeline=
     optimizer.zero_grad()
     step = functools.partial(forward_step, cfg=cfg)
     batches = next_batches(data_iterator, cfg, state)
-    if pipeline is None:
+    if cfg.cuda_graph_impl == "local":  # the same micro-batches, each replayed from a CUDA graph
+        results = forward_backward_captured(step, batches, as_chunks(model)[0], optimizer)
+    elif pipeline is None:
         results = forward_backward_no_pipelining(step, batches, as_chunks(model), grads=optimizer.grads,
                                                  scale_loss=optimizer.scale_loss)
     else:

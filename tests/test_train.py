@@ -128,12 +128,12 @@ def run_main(argv, capsys):
     return info.value.code, err
 
 
-@pytest.mark.parametrize("case", ["prefix", "vocab", "positions", "batch", "warmup", "world", "checkpoint"])
+@pytest.mark.parametrize("case", ["prefix", "vocab", "positions", "batch", "warmup", "world", "checkpoint", "graph"])
 def test_bad_inputs_exit_2_with_one_line(data, capsys, monkeypatch, case):
     args = tiny_args(data, "--train-iters", 3)
     expect = {"prefix": "_text_sentence", "vocab": "--vocab-file", "positions": "--max-position-embeddings",
               "batch": "--global-batch-size", "warmup": "--lr-decay-iters", "world": "data-parallel size = 4 x 2",
-              "checkpoint": "iter_0000003"}
+              "checkpoint": "iter_0000003", "graph": "--cuda-graph-impl local needs a CUDA GPU"}
     if case == "prefix":
         args[args.index("--data-path") + 1] = data["prefix"][:-len("_text_sentence")]
     elif case == "vocab":  # data tokenized with the full 30522-token vocab, trained with the small one
@@ -154,6 +154,8 @@ def test_bad_inputs_exit_2_with_one_line(data, capsys, monkeypatch, case):
         open(path, "wb").write(b"\x00garbage")
         (load / "latest_checkpointed_iteration.txt").write_text("3")
         args += ["--load", load]
+    elif case == "graph":  # CUDA graphs on this CPU
+        args += ["--cuda-graph-impl", "local"]
     code, err = run_main([str(a) for a in args], capsys)
     assert code == 2 and len(err) == 1 and err[0].startswith("error:") and expect[case] in err[0], err
 

@@ -13,6 +13,12 @@ H200 the 16-bit scheme took the fwd+bwd at dropout 0.1 from 1.40 ms (one call pe
 
 The fused dropout + residual + LayerNorm (kernels/layer_norm.py) draws its hidden-dropout mask with the
 same function: one stream (bh = 0) and the hidden size as the row width.
+
+The seed of each call (draw_seed) is a Python number drawn from torch's CPU generator, passed to the kernel
+as an argument. Under a CUDA graph (minibert/cuda_graphs.py) that number would be frozen into the graph and
+every replay would drop the same entries, so while a graph is being captured the seed is drawn on the
+device instead, as a one-element tensor the kernel loads (SEED_IN_MEMORY): the draw is a launch the graph
+records, and torch's CUDA generator gives every replay new numbers.
 """
 import torch
 import triton
@@ -27,6 +33,23 @@ def dropout_threshold(dropout_p):
     then exactly t / 65536, the multiple of 1/65536 nearest dropout_p (at most 7.6e-6 away; 0.1 -> 6554 ->
     0.100006), capped at 65535 so that some probability is always kept."""
     return min(round(dropout_p * DROPOUT_LEVELS), DROPOUT_LEVELS - 1)
+
+
+def draw_seed(dropout_p, device):
+    """The Philox seed of one kernel call: 0 without dropout; a Python int from torch's CPU generator (so
+    torch.manual_seed makes runs repeatable); while a CUDA graph is being captured on `device`, an int64
+    tensor [1] drawn there by torch's CUDA generator, which advances at every replay of the graph."""
+    if dropout_p <= 0:
+        return 0
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return torch.randint(0, 2**31 - 1, (1,), dtype=torch.int64, device=device)
+    return int(torch.randint(0, 2**31 - 1, (1,)).item())
+
+
+def seed_in_memory(seed) -> bool:
+    """The kernels' SEED_IN_MEMORY switch: True when `seed` is draw_seed's device tensor (a pointer to load
+    the seed from), False for a Python int (passed by value)."""
+    return isinstance(seed, torch.Tensor)
 
 
 def effective_dropout_p(dropout_p):

@@ -67,7 +67,7 @@ import triton.language as tl
 
 from minibert.errors import UsageError
 from minibert.kernels import interpreting
-from minibert.kernels.dropout import _dropout_keep, dropout_threshold, effective_dropout_p
+from minibert.kernels.dropout import _dropout_keep, draw_seed, dropout_threshold, effective_dropout_p, seed_in_memory
 
 LOG2_E = math.log2(math.e)  # exp(x) = exp2(x * LOG2_E): the scale absorbs it
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -174,8 +174,10 @@ def _attention_forward_kernel(
         stride_vb, stride_vh, stride_vs, stride_ob, stride_oh, stride_os,
         n_heads, seq_len, qk_scale, seed, threshold, out_scale,
         HEAD_DIM: tl.constexpr, D_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        HAS_PAD: tl.constexpr, DROPOUT: tl.constexpr, VARLEN: tl.constexpr):
+        HAS_PAD: tl.constexpr, DROPOUT: tl.constexpr, VARLEN: tl.constexpr, SEED_IN_MEMORY: tl.constexpr):
     """One program = BLOCK_M query rows of one (batch, head); it streams every key block up to kv_len."""
+    if SEED_IN_MEMORY:                                    # a CUDA graph's seed, drawn on the device (dropout.py)
+        seed = tl.load(seed)
     bh, start_m, batch, head, kv_len, token0 = _program_block(KV_LEN, n_heads, seq_len, BLOCK_M, HAS_PAD, VARLEN)
     row_end = _row_end(kv_len, seq_len, VARLEN)
 
@@ -386,7 +388,7 @@ def attention_forward(q, k, v, bias, kv_len, scale, dropout_p, seed, tile, out=N
         1.0 / (1.0 - effective_dropout_p(dropout_p)),
         HEAD_DIM=d, D_BLOCK=head_dim_block(d), BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
         HAS_PAD=bias is not None, DROPOUT=dropout_p > 0, VARLEN=varlen is not None,
-        num_warps=tile.num_warps, num_stages=tile.num_stages)
+        SEED_IN_MEMORY=seed_in_memory(seed), num_warps=tile.num_warps, num_stages=tile.num_stages)
     return out, lse
 
 
@@ -420,11 +422,11 @@ def flash_attention(q, k, v, padding_mask=None, scale=None, dropout_p=0.0, seed=
     unspecified but finite (zeros in query blocks entirely past the last real key); their gradients assume
     the loss ignores them. scale defaults to 1/sqrt(d). dropout_p drops attention probabilities in-kernel (Philox; the rate is
     rounded to a multiple of 1/65536, see dropout_threshold); seed=None draws one from torch's CPU generator
-    (so torch.manual_seed makes runs repeatable); the same seed gives the same output and gradients.
+    (so torch.manual_seed makes runs repeatable; kernels/dropout.py: draw_seed, also for CUDA graphs); the
+    same seed gives the same output and gradients.
     Head dims: multiples of 8 in [16, 128]. Returns [b, heads, s, d].
     """
     check_inputs(q, k, v, padding_mask, dropout_p)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    if seed is None:
-        seed = int(torch.randint(0, 2**31 - 1, (1,)).item()) if dropout_p > 0 else 0
-    return FlashAttention.apply(q, k, v, padding_mask, scale, float(dropout_p), int(seed))
+    seed = draw_seed(dropout_p, q.device) if seed is None else seed
+    return FlashAttention.apply(q, k, v, padding_mask, scale, float(dropout_p), seed)

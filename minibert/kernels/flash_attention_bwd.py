@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minibert.kernels.dropout import _dropout_keep, dropout_threshold, effective_dropout_p
+from minibert.kernels.dropout import _dropout_keep, dropout_threshold, effective_dropout_p, seed_in_memory
 from minibert.kernels.flash_attention import (LOG2_E, _key_bias, _program_block, _row_end, _sample_start,
                                               grid_layout, head_dim_block, strides)
 
@@ -42,8 +42,10 @@ def _attention_backward_dq_kernel(
         stride_dob, stride_doh, stride_dos, stride_dqb, stride_dqh, stride_dqs,
         n_heads, seq_len, qk_scale, sm_scale, seed, threshold, keep_scale,
         HEAD_DIM: tl.constexpr, D_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        HAS_PAD: tl.constexpr, DROPOUT: tl.constexpr, VARLEN: tl.constexpr):
+        HAS_PAD: tl.constexpr, DROPOUT: tl.constexpr, VARLEN: tl.constexpr, SEED_IN_MEMORY: tl.constexpr):
     """dQ for BLOCK_M query rows of one (batch, head), and D = rowsum(dO * O) for those rows."""
+    if SEED_IN_MEMORY:                                         # a CUDA graph's seed (kernels/dropout.py)
+        seed = tl.load(seed)
     bh, start_m, batch, head, kv_len, token0 = _program_block(KV_LEN, n_heads, seq_len, BLOCK_M, HAS_PAD, VARLEN)
     row_end = _row_end(kv_len, seq_len, VARLEN)
 
@@ -100,8 +102,10 @@ def _attention_backward_dkdv_kernel(
         stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs,
         n_heads, seq_len, qk_scale, sm_scale, seed, threshold, keep_scale,
         HEAD_DIM: tl.constexpr, D_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        HAS_PAD: tl.constexpr, DROPOUT: tl.constexpr, VARLEN: tl.constexpr):
+        HAS_PAD: tl.constexpr, DROPOUT: tl.constexpr, VARLEN: tl.constexpr, SEED_IN_MEMORY: tl.constexpr):
     """dK, dV for BLOCK_N keys of one (batch, head): tiles are transposed, [BLOCK_N keys, BLOCK_M queries]."""
+    if SEED_IN_MEMORY:                                         # a CUDA graph's seed (kernels/dropout.py)
+        seed = tl.load(seed)
     bh, start_n, batch, head, kv_len, token0 = _program_block(KV_LEN, n_heads, seq_len, BLOCK_N, HAS_PAD, VARLEN)
 
     cols = start_n + tl.arange(0, BLOCK_N)                     # this program's keys
@@ -169,7 +173,7 @@ def launch_dq(grad_out, q, k, v, out, lse, delta, dq, bias, kv_len, scale, dropo
         1.0 / (1.0 - effective_dropout_p(dropout_p)),
         HEAD_DIM=d, D_BLOCK=head_dim_block(d), BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
         HAS_PAD=bias is not None, DROPOUT=dropout_p > 0, VARLEN=varlen is not None,
-        num_warps=tile.num_warps, num_stages=tile.num_stages)
+        SEED_IN_MEMORY=seed_in_memory(seed), num_warps=tile.num_warps, num_stages=tile.num_stages)
 
 
 def launch_dkdv(grad_out, q, k, v, lse, delta, dk, dv, bias, kv_len, scale, dropout_p, seed, tile, varlen=None):
@@ -187,7 +191,7 @@ def launch_dkdv(grad_out, q, k, v, lse, delta, dk, dv, bias, kv_len, scale, drop
         1.0 / (1.0 - effective_dropout_p(dropout_p)),
         HEAD_DIM=d, D_BLOCK=head_dim_block(d), BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
         HAS_PAD=bias is not None, DROPOUT=dropout_p > 0, VARLEN=varlen is not None,
-        num_warps=tile.num_warps, num_stages=tile.num_stages)
+        SEED_IN_MEMORY=seed_in_memory(seed), num_warps=tile.num_warps, num_stages=tile.num_stages)
 
 
 def attention_backward(grad_out, q, k, v, out, lse, bias, kv_len, scale, dropout_p, seed, dq_tile, dkdv_tile):

@@ -74,7 +74,7 @@ import triton.language as tl
 
 from minibert.errors import UsageError
 from minibert.kernels import interpreting
-from minibert.kernels.dropout import _dropout_keep, dropout_threshold, effective_dropout_p
+from minibert.kernels.dropout import _dropout_keep, draw_seed, dropout_threshold, effective_dropout_p, seed_in_memory
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_WIDTH = 8192  # a whole row sits in registers: 8192 fp32 over 16 warps is 16 values per thread per tensor
@@ -145,7 +145,7 @@ def _hidden_keep(seed, rows, start, h, threshold, BLOCK_N: tl.constexpr):
 @triton.jit(do_not_specialize=["seed", "threshold"])
 def _dropout_add_ln_fwd_kernel(RES, Y, W, B, X, NORMED, STATS, n_rows, h, eps, seed, threshold, keep_scale,
                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                               DROPOUT: tl.constexpr, HAS_LN: tl.constexpr):
+                               DROPOUT: tl.constexpr, HAS_LN: tl.constexpr, SEED_IN_MEMORY: tl.constexpr):
     """x = res + drop(y) and normed = LN(x) * w + b for BLOCK_M rows, each row whole in registers.
 
         [rows, h] viewed flat          program p: rows p*BLOCK_M .. +BLOCK_M, columns 0 .. BLOCK_N-1
@@ -153,6 +153,8 @@ def _dropout_add_ln_fwd_kernel(RES, Y, W, B, X, NORMED, STATS, n_rows, h, eps, s
         | program 0       |   |   -> load res, y; x = res + keep * y / (1-p); round, store x;
         | program 1       |   |      mean, rstd of the rounded x (two row sums); store normed, mean, rstd
     """
+    if SEED_IN_MEMORY:                                     # a CUDA graph's seed (kernels/dropout.py)
+        seed = tl.load(seed)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)                       # [BLOCK_M]
     cols = tl.arange(0, BLOCK_N)                                                     # [BLOCK_N]
     inside = (rows < n_rows)[:, None] & (cols < h)[None, :]                          # [BLOCK_M, BLOCK_N]
@@ -179,13 +181,16 @@ def _dropout_add_ln_fwd_kernel(RES, Y, W, B, X, NORMED, STATS, n_rows, h, eps, s
 @triton.jit(do_not_specialize=["seed", "threshold"])
 def _dropout_add_ln_bwd_kernel(X, W, STATS, DX, DN, DRES, DY, PARTS, n_rows, h,
                                seed, threshold, keep_scale, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                               HAS_DX: tl.constexpr, HAS_DN: tl.constexpr, STORE_DY: tl.constexpr):
+                               HAS_DX: tl.constexpr, HAS_DN: tl.constexpr, STORE_DY: tl.constexpr,
+                               SEED_IN_MEMORY: tl.constexpr):
     """d_total = grad_x + dx_ln (section 3 of the docstring) -> DRES, and d_total * keep / (1-p) -> DY.
 
     A fixed grid of P programs; program p takes row blocks p, p + P, p + 2P, ... and sums dnormed * xhat
     and dnormed over all of them in fp32 registers, then writes row p of PARTS[0] and PARTS[1] ([2, P, h]).
     HAS_DN = False (normed unused): d_total is grad_x itself, only DY is written.
     """
+    if SEED_IN_MEMORY:                                       # a CUDA graph's seed (kernels/dropout.py)
+        seed = tl.load(seed)
     cols = tl.arange(0, BLOCK_N)
     dw_acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)        # summed over rows once, at the end
     db_acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -286,7 +291,7 @@ def _forward(residual, y, weight, bias, eps, dropout_p, seed, tile):
         _dropout_add_ln_fwd_kernel[(triton.cdiv(n_rows, tile.block_m),)](
             residual, y, weight, bias, x, normed, stats, n_rows, h, eps, seed, dropout_threshold(dropout_p),
             _keep_scale(dropout_p), BLOCK_M=tile.block_m, BLOCK_N=_block_n(h), DROPOUT=dropout_p > 0,
-            HAS_LN=weight is not None, num_warps=tile.num_warps)
+            HAS_LN=weight is not None, SEED_IN_MEMORY=seed_in_memory(seed), num_warps=tile.num_warps)
     return x, normed, stats
 
 
@@ -310,7 +315,8 @@ def _backward(x, weight, stats, grad_x, grad_normed, dropout_p, seed, tile, stor
         _dropout_add_ln_bwd_kernel[(programs,)](
             x, weight, stats, grad_x, grad_normed, d_res, d_y, parts, n_rows, h, seed,
             dropout_threshold(dropout_p), _keep_scale(dropout_p), BLOCK_M=tile.block_m, BLOCK_N=_block_n(h),
-            HAS_DX=grad_x is not None, HAS_DN=has_dn, STORE_DY=store_dy, num_warps=tile.num_warps)
+            HAS_DX=grad_x is not None, HAS_DN=has_dn, STORE_DY=store_dy, SEED_IN_MEMORY=seed_in_memory(seed),
+            num_warps=tile.num_warps)
     if not has_dn:
         return d_res, d_y, None
     # the few hundred partial rows summed by torch: one launch, cheaper on the host than a second Triton one
@@ -362,9 +368,8 @@ def dropout_add_layer_norm(residual, y, weight, bias, eps, dropout_p=0.0, seed=N
     """
     dropout_p = float(dropout_p)
     _check_inputs(residual, y, weight, bias, eps, dropout_p)
-    if seed is None:
-        seed = int(torch.randint(0, 2**31 - 1, (1,)).item()) if dropout_p > 0 else 0
-    return _DropoutAddLayerNorm.apply(residual, y, weight, bias, float(eps), dropout_p, int(seed),
+    seed = draw_seed(dropout_p, residual.device) if seed is None else seed
+    return _DropoutAddLayerNorm.apply(residual, y, weight, bias, float(eps), dropout_p, seed,
                                       pick_tiles(residual.shape[-1]))
 
 

@@ -12,8 +12,13 @@ for the duration of `with tracker.fork(): ...` (Megatron: get_cuda_rng_tracker()
 attention kernel draws its Philox seed inside that fork, so its dropout follows the same rule. Both
 generators' states go into every checkpoint, so a resumed run drops exactly what the unbroken one would.
 
+Under CUDA graph capture (--cuda-graph-impl local, tensor-parallel size 1) fork() swaps nothing: a
+generator's state cannot be set while a graph is recorded, and with one TP rank there is no other rank's
+stream to stay apart from. The graph's draws come from torch's CUDA generator (minibert/cuda_graphs.py).
+
 What production does: Megatron's tracker holds several named CUDA states (one per expert group, ...); we
-need one, for the CPU and the GPU generator alike."""
+need one, for the CPU and the GPU generator alike. Its graph-safe variant registers each state with the
+graph instead of swapping it."""
 import contextlib
 
 import torch
@@ -35,6 +40,9 @@ class TensorParallelRNG:
     @contextlib.contextmanager
     def fork(self):
         """Swap this rank's generator in for the default one (CPU and CUDA), and back afterwards."""
+        if self.cuda and torch.cuda.is_current_stream_capturing():
+            yield  # a CUDA graph is being captured (TP = 1 only): nothing may be swapped
+            return
         cpu, cuda = torch.get_rng_state(), torch.cuda.get_rng_state() if self.cuda else None
         torch.set_rng_state(self.cpu_state)
         if self.cuda:

@@ -1,0 +1,131 @@
+"""CUDA graphs: a micro-batch's forward and backward, captured once and replayed (--cuda-graph-impl local).
+
+Why. A small model's step is the host's time, not the GPU's. Each kernel costs the host 5-40 us to launch
+(Python, autograd, the driver), and a micro-batch of make train-small's 4-layer model launches hundreds of
+kernels that the GPU finishes in a few microseconds each: the GPU waits for the host. A CUDA graph records
+those launches once, with their arguments; a replay submits all of them in one call.
+
+    eager:   host  |launch|launch|launch|launch|launch| ...          GPU idles between tiny kernels
+    graph:   host  |copy inputs|replay|                               GPU runs the recorded kernels back to back
+
+What a graph freezes is everything the host decided while it was recorded: which kernels run, their grid
+sizes, the *addresses* of every tensor they read and write, and every Python number passed to them. So a
+replay needs:
+- the same shapes: every micro-batch is [micro batch, seq], padded (packing and trimming are off), and
+  a batch of another shape gets a graph of its own;
+- its inputs copied into the tensors the graph reads (`static`), and its outputs read from the tensors
+  the graph wrote, copied before the next replay overwrites them;
+- new random numbers at every replay: torch's CUDA generator is graph-aware (each replay advances its
+  offset, so F.dropout drops other entries), and our Triton kernels, whose seed is otherwise a Python
+  number, take a seed drawn on the device while a graph is captured (kernels/dropout.py: draw_seed);
+- every Python number to stay what it was: the fp16 loss scale is one, so when it changes the graphs
+  are captured again.
+
+What is captured, per micro-batch: embedding, layers, heads, loss, its backward, and the gradient
+accumulation into the fp32 main grads (fixed buffers outside the graph, so replays add up in them as
+eager micro-batches do). What is not: getting the batch, the data-parallel reduction after the last
+micro-batch, and the optimizer step (its skip decision reads the grad norm on the host).
+
+Capture, once per shape: a warm-up forward + backward on a side stream first (kernels compile, cuBLAS
+picks its algorithms and workspaces: a graph cannot record a first-time setup), which leaves no trace:
+its gradients are dropped and the random generators are put back. Then the capture itself, which runs
+nothing: the kernels it records run at the first replay.
+
+Limits (config.py refuses the rest with one line): a CUDA device; tensor and pipeline parallel size 1
+(their collectives and sends would be recorded too); no activation recompute (torch.utils.checkpoint
+sets generator states, which capture forbids); no --sparse-mlm (its LM head's row count changes).
+
+What production does: Megatron's --cuda-graph-impl local (CudaGraphManager) captures each transformer
+layer's forward and backward separately, which keeps the pipeline schedule and the collectives between
+the graphs; --cuda-graph-scope full_iteration captures a whole step. minibert captures whole micro-batches:
+fewer host calls than per-layer graphs, and one idea to read."""
+import weakref
+
+import torch
+
+GRAPH_INPUTS = ("text", "types", "labels", "loss_mask", "is_random", "is_pad")  # what a replay copies in
+
+
+class CapturedMicroBatch:
+    """One shape's graph: forward_step + backward + gradient accumulation of one micro-batch. It keeps
+    the graph and its input and output tensors, not the model (so a model's graphs go with the model)."""
+
+    def __init__(self, forward_step, model, optimizer, num_micro_batches, batch):
+        self.loss_scale = optimizer.loss_scale
+        self.static = {k: batch[k].clone() for k in GRAPH_INPUTS}
+        static_batch = {**batch, **self.static, "packing": None, "lm_rows": None, "loss_positions": None}
+        run = lambda accumulate: forward_backward(forward_step, model, optimizer, num_micro_batches,  # noqa: E731
+                                                  static_batch, accumulate)
+        stream = torch.cuda.Stream()  # warm-up and capture on one side stream (its cuBLAS workspace)
+        warm_up(run, stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, stream=stream):
+            self.losses, self.has_sop = run(True)  # [3]: loss, lm loss, sop loss
+
+    def replay(self, batch):
+        """-> (loss, metrics) of this micro-batch, as forward_step's (losses are fresh device tensors)."""
+        for name, tensor in self.static.items():
+            tensor.copy_(batch[name], non_blocking=True)
+        self.graph.replay()
+        losses = self.losses.clone()  # the next replay overwrites self.losses
+        metrics = {"lm loss": losses[1], "flops": batch["flops"], "tokens": batch["tokens"]}
+        if self.has_sop:
+            metrics["sop loss"] = losses[2]
+        return losses[0], metrics
+
+
+def forward_backward(forward_step, model, optimizer, num_micro_batches, batch, accumulate=True):
+    """The micro-batch as the eager schedule runs it (pipeline.forward_backward_no_pipelining) ->
+    (float32 [3]: loss, lm loss, sop loss (lm loss again without the binary head), has the sop loss)."""
+    loss, metrics = forward_step(batch, model, None)
+    for g in optimizer.grads:
+        g.set_last_micro_batch(False)  # nothing is reduced inside a graph
+    optimizer.scale_loss(loss / num_micro_batches).backward()
+    for g in optimizer.grads:
+        if accumulate:
+            g.accumulate()  # main_grad += grad, then the 16-bit grads are freed
+        else:
+            for p in g.params:
+                p.grad = None
+    sop = metrics.get("sop loss", metrics["lm loss"])
+    return torch.stack([loss.detach(), metrics["lm loss"], sop]), "sop loss" in metrics
+
+
+def warm_up(run, stream):
+    """run(accumulate=False) once on `stream`, leaving no trace: no gradient is kept, and the CPU and CUDA
+    generators are put back as they were."""
+    states = torch.get_rng_state(), torch.cuda.get_rng_state()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run(False)
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.set_rng_state(states[0])
+    torch.cuda.set_rng_state(states[1])
+
+
+_graphs = weakref.WeakKeyDictionary()  # model -> {shape key: CapturedMicroBatch}, made by its first steps
+
+
+def shape_key(batch, num_micro_batches):
+    """What a graph is recorded for: every input's shape and dtype, and the 1 / n its loss is scaled by."""
+    return tuple((tuple(batch[k].shape), batch[k].dtype) for k in GRAPH_INPUTS) + (num_micro_batches,)
+
+
+def forward_backward_captured(forward_step, batches, model, optimizer):
+    """The schedule of forward_backward_no_pipelining with each micro-batch replayed from its shape's graph
+    (captured at its first use) -> the list of each micro-batch's (loss, metrics)."""
+    graphs = _graphs.setdefault(model, {})
+    for key in [k for k, g in graphs.items() if g.loss_scale != optimizer.loss_scale]:
+        del graphs[key]  # fp16: the scale changed, and a graph holds the old one
+    results = []
+    for batch in batches:
+        key = shape_key(batch, len(batches))
+        if key not in graphs:
+            graphs[key] = CapturedMicroBatch(forward_step, model, optimizer, len(batches), batch)
+        results.append(graphs[key].replay(batch))
+    return results
+
+
+def captured_graphs(model) -> int:
+    """How many micro-batch graphs `model` holds (for tests and the log)."""
+    return len(_graphs.get(model, {}))

@@ -1,0 +1,166 @@
+"""--cuda-graph-impl local on a GPU (minibert/cuda_graphs.py): the kernels' device-drawn seeds, captured
+training against eager training, fresh dropout at every replay, fp16 recapture and exact resume."""
+import dataclasses
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_a_seed_in_device_memory_gives_the_int_seeds_numbers():
+    """SEED_IN_MEMORY: every dropout kernel loads a tensor seed and draws what the same int seed draws."""
+    from minibert.kernels.flash_attention import flash_attention
+    from minibert.kernels.flash_attention_packed import flash_attention_qkv
+    from minibert.kernels.flash_attention_varlen import flash_attention_varlen
+    from minibert.kernels.layer_norm import dropout_add_layer_norm
+    torch.manual_seed(0)
+    dev = torch.device("cuda")
+    as_tensor = torch.tensor([987654], dtype=torch.int64, device=dev)
+    qkv = torch.randn(2, 200, 4, 3, 64, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    pad = torch.zeros(2, 200, dtype=torch.bool, device=dev)
+    pad[1, 150:] = True
+    packed = torch.randn(330, 4, 3, 64, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    cu = torch.tensor([0, 200, 330], dtype=torch.int32, device=dev)
+    res = torch.randn(64, 1024, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    y = torch.randn(64, 1024, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    w, b = (torch.ones(1024, device=dev, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    calls = {
+        "flash": (lambda s: flash_attention(*[t.transpose(1, 2) for t in qkv.unbind(3)], pad, dropout_p=0.2,
+                                            seed=s), [qkv]),
+        "flash qkv": (lambda s: flash_attention_qkv(qkv, pad, dropout_p=0.2, seed=s), [qkv]),
+        "varlen": (lambda s: flash_attention_varlen(packed, cu, 200, dropout_p=0.2, seed=s), [packed]),
+        "layer norm": (lambda s: torch.cat([t.reshape(-1) for t in dropout_add_layer_norm(res, y, w, b, 1e-5,
+                                                                                           0.2, seed=s)]),
+                       [res, y, w, b]),
+    }
+    for name, (call, inputs) in calls.items():
+        results = []
+        for seed in (987654, as_tensor):
+            out = call(seed)
+            grads = torch.autograd.grad(out.float().square().sum(), inputs)
+            results.append([out, *grads])
+        assert all(torch.equal(a, b) for a, b in zip(*results)), name
+
+
+def test_captured_dropout_draws_new_numbers_at_every_replay():
+    """A graph of the flash kernel and the fused LayerNorm with dropout: two replays on the same inputs
+    drop different entries (the seeds are drawn inside the graph); without dropout they agree."""
+    from minibert.kernels.flash_attention_packed import flash_attention_qkv
+    from minibert.kernels.layer_norm import dropout_add_layer_norm
+    dev = torch.device("cuda")
+    qkv = torch.randn(2, 128, 4, 3, 64, device=dev, dtype=torch.bfloat16)
+    res, y = (torch.randn(256, 512, device=dev, dtype=torch.bfloat16) for _ in range(2))
+    for p in (0.1, 0.0):
+        for run in (lambda: flash_attention_qkv(qkv, None, dropout_p=p),
+                    lambda: dropout_add_layer_norm(res, y, None, None, 1e-5, p)[0]):
+            run()  # compile outside the capture
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = run()
+            graph.replay()
+            first = out.clone()
+            graph.replay()
+            assert torch.equal(first, out) == (p == 0.0)
+
+
+def trainer_pieces(tmp_path, **overrides):
+    from minibert.batches import build_datasets
+    from minibert.config import Config, validate
+    from minibert.corpus import write_default_corpus
+    from minibert.preprocess import preprocess
+    from minibert.tokenizer import build_tokenizer
+    write_default_corpus(tmp_path / "c.txt")
+    (prefix,) = preprocess(str(tmp_path / "c.txt"), str(tmp_path / "c"), build_tokenizer("BertWordPieceLowerCase"),
+                           split_sentences=True, progress=False)
+    values = dict(num_layers=4, hidden_size=128, num_attention_heads=8, seq_length=128, micro_batch_size=4,
+                  global_batch_size=16, train_iters=8, lr=1e-3, data_path=[prefix], eval_iters=0, num_workers=0,
+                  pack_tokens=False)
+    cfg = validate(Config(**{**values, **overrides}), device_type="cuda", warn=None)
+    _, (train_ds, _, _) = build_datasets(cfg, log=lambda line: None)
+    return cfg, train_ds
+
+
+def losses_of(cfg, train_ds, steps):
+    from minibert.batches import build_data_iterator
+    from minibert.cuda_graphs import captured_graphs
+    from minibert.train import build_model_and_optimizer, train_step
+    dev = torch.device("cuda")
+    torch.manual_seed(1)
+    model, optimizer, scheduler = build_model_and_optimizer(cfg, dev)
+    model.train()
+    iterator = build_data_iterator(train_ds, 0, cfg, dev)
+    losses = [float(train_step(model, optimizer, scheduler, iterator, cfg, dev).losses["lm loss"])
+              for _ in range(steps)]
+    return losses, captured_graphs(model)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_captured_steps_equal_eager_steps_without_dropout(tmp_path, precision):
+    """make train-small's model, 4 micro-batches per step: without dropout the captured run's losses are
+    the eager run's (same kernels on the same numbers), step after step of AdamW updates."""
+    cfg, train_ds = trainer_pieces(tmp_path, hidden_dropout=0.0, attention_dropout=0.0, bf16=precision == "bf16")
+    eager, graphs = losses_of(cfg, train_ds, 6)
+    assert graphs == 0
+    captured, graphs = losses_of(dataclasses.replace(cfg, cuda_graph_impl="local"), train_ds, 6)
+    assert graphs == 1  # one shape, one graph
+    tolerance = 1e-5 if precision == "fp32" else 2e-3
+    assert all(abs(a - b) <= tolerance * abs(b) for a, b in zip(captured, eager)), (captured, eager)
+    assert eager[-1] < eager[0]
+
+
+def test_captured_steps_with_dropout_train_like_eager(tmp_path):
+    """With dropout (flash attention and the fused LayerNorm draw in-kernel, the embedding through torch):
+    the captured run learns as the eager run does, and its losses differ from the dropout-free run's."""
+    cfg, train_ds = trainer_pieces(tmp_path, bf16=True, train_iters=30, attention_backend="flash")
+    eager, _ = losses_of(cfg, train_ds, 30)
+    captured, _ = losses_of(dataclasses.replace(cfg, cuda_graph_impl="local"), train_ds, 30)
+    no_dropout, _ = losses_of(dataclasses.replace(cfg, cuda_graph_impl="local", hidden_dropout=0.0,
+                                                  attention_dropout=0.0), train_ds, 30)
+    assert captured != no_dropout
+    late = lambda losses: sum(losses[-10:]) / 10  # noqa: E731
+    assert late(captured) < captured[0] - 1.0
+    assert abs(late(captured) - late(eager)) < 0.05 * late(eager), (late(captured), late(eager))
+
+
+def run_train(args):
+    return subprocess.run([sys.executable, os.path.join(ROOT, "minibert", "train.py")] + [str(a) for a in args],
+                          capture_output=True, text=True, cwd=ROOT, timeout=600)
+
+
+def test_fp16_captured_run_recaptures_on_scale_changes_and_resumes_exactly(tmp_path):
+    """fp16 with --cuda-graph-impl local: the loss scale changes (each change captures again), and a run
+    stopped and resumed logs exactly the unbroken run's lines (the warm-up before each capture draws no
+    random numbers, the graph's draws come from the checkpointed CUDA generator)."""
+    from minibert.corpus import write_default_corpus
+    from minibert.preprocess import preprocess
+    from minibert.tokenizer import build_tokenizer
+    write_default_corpus(tmp_path / "c.txt")
+    (prefix,) = preprocess(str(tmp_path / "c.txt"), str(tmp_path / "c"), build_tokenizer("BertWordPieceLowerCase"),
+                           split_sentences=True, progress=False)
+    common = ["--num-layers", 2, "--hidden-size", 256, "--num-attention-heads", 4, "--seq-length", 128,
+              "--micro-batch-size", 8, "--global-batch-size", 16, "--train-iters", 12, "--lr", 1e-4,
+              "--lr-warmup-iters", 2, "--data-path", prefix, "--fp16", "--loss-scale-window", 5,
+              "--num-workers", 2, "--log-interval", 1, "--eval-interval", 6, "--eval-iters", 2,
+              "--attention-backend", "flash", "--split", "90,5,5", "--cuda-graph-impl", "local"]
+    unbroken = run_train(common)
+    first = run_train(common + ["--save", tmp_path / "ck", "--exit-interval", 7])
+    second = run_train(common + ["--load", tmp_path / "ck"])
+    for r in (unbroken, first, second):
+        assert r.returncode == 0, r.stderr[-2000:]
+    assert "packed micro-batches are off: a CUDA graph" in unbroken.stderr
+
+    def lines(out):
+        timing = re.compile(r"elapsed time per iteration \(ms\): [\d.]+ \| throughput per GPU \(TFLOP/s/GPU\): "
+                            r"[\d.]+ \| tokens per second: \d+ \| MFU: [\d.]+% \| ")
+        return [timing.sub("", line) for line in out.splitlines() if line.startswith(("iteration ", "validation"))]
+    assert lines(first.stdout) + lines(second.stdout) == lines(unbroken.stdout)
+    scales = {re.search(r"loss scale: ([\d.]+)", line).group(1) for line in lines(unbroken.stdout)
+              if line.startswith("iteration ")}
+    assert len(scales) > 1  # the scale moved, so the graphs were captured again
