@@ -21,8 +21,8 @@ Sections (--sections picks them):
        minibert packed (the default), minibert padded (--no-pack-tokens), HF eager with the attention mask
     3  BERT-base s128 b256, full-length batches (as section 1)
     4  make train-small's model (4 layers, 128 hidden, 8 heads, s128, micro 4, global 16) on Megatron
-       samples of the default corpus: ms per train_step, fp32 and bf16, eager (packed micro-batches) and,
-       on a GPU, with --cuda-graph-impl local (padded micro-batches, each one CUDA graph replay)
+       samples of the default corpus: ms per train_step, fp32 and bf16, eager and, on a GPU, with
+       --cuda-graph-impl local (each micro-batch one CUDA graph replay)
     5  the fused kernels' gains: sections 1 and 3's minibert with --no-bias-dropout-fusion, with
        --no-cross-entropy-loss-fusion and with both (skipped on the CPU, where the plain ops always run)
 
@@ -345,20 +345,21 @@ def section_4(settings):
     graphs = [False, True] if settings.device.type == "cuda" else [False]  # CUDA graphs need a GPU
     rows = []
     for graphed in graphs:
-        how = {"cuda_graph_impl": "local", "pack_tokens": False} if graphed else {}
+        how = {"cuda_graph_impl": "local"} if graphed else {}
         name = ", --cuda-graph-impl local" if graphed else ""
         for precision in ("fp32", "bf16"):
             cfg = minibert_config("small", settings, **{**base, **how, "bf16": precision == "bf16"})
             batches = megatron_batches(prefix, batches_needed(cfg, settings), cfg, settings.device)
             result = measure("minibert", cfg, batches, settings)
             target = "; target <= 15 ms on the H200" if precision == "fp32" else ""
-            layout = "padded [4, 128] micro-batches, one graph replay each" if graphed else "packed micro-batches"
+            layout = ("packed micro-batches, rows rounded up to a multiple of 128, one graph replay each" if graphed
+                      else "packed micro-batches")
             rows += print_rows([row(f"{label}{name}, {precision}: ms per iteration, pre-built batches",
                                     1e3 * result.seconds / result.steps, "ms",
                                     f"train_step only; {layout}; {result.tokens_per_s:,.0f} real tokens/s{target}")])
     # the same fp32 step fed by the trainer's DataLoader (worker processes making Megatron's samples)
     for graphed in graphs:
-        how = {"cuda_graph_impl": "local", "pack_tokens": False} if graphed else {}
+        how = {"cuda_graph_impl": "local"} if graphed else {}
         cfg = minibert_config("small", settings, **{**base, **how, "num_workers": None, "data_path": [prefix]})
         _, (train_ds, _, _) = build_datasets(cfg, log=lambda line: None)
         loader = build_data_iterator(train_ds, 0, cfg, settings.device)

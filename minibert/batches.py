@@ -127,7 +127,8 @@ def get_batch(data_iterator, device, cfg):
     """The next micro-batch as device tensors, plus `is_pad` (bool [b, s], True = padding), its model FLOPs
     and real tokens (Python numbers), and the indices the model and loss need, computed here on the CPU:
     `packing` (cfg.pack_tokens: the real tokens' positions, minibert.packing; the batch is then trimmed to
-    its longest sample), `lm_rows` (--sparse-mlm: the rows of the model's flattened hidden states the LM
+    its longest sample; with --cuda-graph-impl local it is not trimmed, every micro-batch is packed and its
+    rows are rounded up to a multiple of s with filler rows, so that a few graphs serve every batch), `lm_rows` (--sparse-mlm: the rows of the model's flattened hidden states the LM
     head computes) and `loss_positions` (the flat positions b * s + j the LM logits' rows belong to; None:
     all of [b, s]). Megatron's padding_mask is 1 at real tokens and the vocab's [PAD] id at padding (0 with
     BERT's vocab), so padding is where it is not 1 (build_datasets refuses a vocab whose [PAD] is 1)."""
@@ -141,12 +142,13 @@ def get_batch(data_iterator, device, cfg):
     flops, tokens = batch_flops(cpu_batch, cfg, is_pad)
     packing = lm_rows = loss_positions = None
     if cfg.pack_tokens:
-        s = trimmed_length(is_pad)
+        graphed = cfg.cuda_graph_impl == "local"  # a CUDA graph per shape: keep s, round the rows up
+        s = is_pad.shape[1] if graphed else trimmed_length(is_pad)
         cpu_batch = {k: v[:, :s] if v.dim() == 2 else v for k, v in cpu_batch.items()}
         is_pad = is_pad[:, :s]
-        if worth_packing(is_pad, packing_threshold(reads_packed_rows(backend_for(cfg, device)))):
-            packing = make_packing(is_pad)
-            loss_positions = packing.index  # one LM row per real token
+        if graphed or worth_packing(is_pad, packing_threshold(reads_packed_rows(backend_for(cfg, device)))):
+            packing = make_packing(is_pad, bucket=s if graphed else None)
+            loss_positions = packing.index  # one LM row per packed row
     if cfg.sparse_mlm:
         loss_positions = cpu_batch["loss_mask"].reshape(-1).nonzero().squeeze(1)  # the masked positions
         lm_rows = loss_positions

@@ -58,8 +58,9 @@ class Config:
                                                   "F.cross_entropy",
                                             action=argparse.BooleanOptionalAction)
     cuda_graph_impl: str = _flag("none", "local: capture each micro-batch's forward + backward as one CUDA graph "
-                                         "and replay it (minibert/cuda_graphs.py; fixed [micro batch, seq] "
-                                         "shapes, TP = PP = 1); none: launch every kernel from Python",
+                                         "per shape and replay it (minibert/cuda_graphs.py; packed rows rounded "
+                                         "up to a multiple of --seq-length; TP = PP = 1); none: launch every "
+                                         "kernel from Python",
                                  choices=["none", "local", "transformer_engine"])
     preset: str = _flag(None, "fill the model flags of a known size (flags given explicitly win)",
                         choices=["340m", "4b", "20b"])
@@ -371,10 +372,6 @@ def _validate_cuda_graph(cfg: Config, device_type: str, warn):
     if cfg.sparse_mlm:
         raise UsageError("--cuda-graph-impl local needs fixed shapes and --sparse-mlm sends a different number "
                          "of rows through the LM head in every micro-batch: drop one of the two flags")
-    if cfg.pack_tokens:
-        warn("packed micro-batches are off: a CUDA graph replays fixed [micro batch, sequence] shapes (the "
-             "padded layout runs; --no-pack-tokens silences this)")
-        cfg.pack_tokens = False
     if cfg.overlap_grad_reduce and cfg.data_parallel_size > 1:
         warn("--overlap-grad-reduce is off with --cuda-graph-impl local: the gradients are reduced after the "
              "last micro-batch's graph")

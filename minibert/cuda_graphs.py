@@ -11,8 +11,10 @@ those launches once, with their arguments; a replay submits all of them in one c
 What a graph freezes is everything the host decided while it was recorded: which kernels run, their grid
 sizes, the *addresses* of every tensor they read and write, and every Python number passed to them. So a
 replay needs:
-- the same shapes: every micro-batch is [micro batch, seq], padded (packing and trimming are off), and
-  a batch of another shape gets a graph of its own;
+- a shape it was recorded for. Packed micro-batches (minibert/packing.py) change their row count with
+  every batch, so with graphs get_batch rounds the rows up to a multiple of the sequence length s with
+  filler rows (make_packing's `bucket`) and does not trim: a [b, s] micro-batch then has one of b row
+  counts, and each gets its graph the first time it is seen (--no-pack-tokens: one padded shape);
 - its inputs copied into the tensors the graph reads (`static`), and its outputs read from the tensors
   the graph wrote, copied before the next replay overwrites them;
 - new random numbers at every replay: torch's CUDA generator is graph-aware (each replay advances its
@@ -29,7 +31,9 @@ micro-batch, and the optimizer step (its skip decision reads the grad norm on th
 Capture, once per shape: a warm-up forward + backward on a side stream first (kernels compile, cuBLAS
 picks its algorithms and workspaces: a graph cannot record a first-time setup), which leaves no trace:
 its gradients are dropped and the random generators are put back. Then the capture itself, which runs
-nothing: the kernels it records run at the first replay.
+nothing: the kernels it records run at the first replay. A model's graphs share one memory pool: each
+replay's temporaries are dead once it ends (its outputs are copied at once, its gradients are in the
+main grads), so the next graph may reuse their memory, and b graphs cost about the memory of one.
 
 Limits (config.py refuses the rest with one line): a CUDA device; tensor and pipeline parallel size 1
 (their collectives and sends would be recorded too); no activation recompute (torch.utils.checkpoint
@@ -43,31 +47,53 @@ import weakref
 
 import torch
 
-GRAPH_INPUTS = ("text", "types", "labels", "loss_mask", "is_random", "is_pad")  # what a replay copies in
+BATCH_INPUTS = ("text", "types", "labels", "loss_mask", "is_random", "is_pad")  # [b, s] and [b] tensors
+
+
+def graph_inputs(batch) -> dict:
+    """Every device tensor of a micro-batch that its forward reads, by name: what a replay copies in."""
+    inputs = {k: batch[k] for k in BATCH_INPUTS}
+    packing = batch["packing"]
+    if packing is not None:
+        inputs.update(index=packing.index, cls_rows=packing.cls_rows, cu_seqlens=packing.cu_seqlens)
+    if batch["loss_positions"] is not None:
+        inputs["loss_positions"] = batch["loss_positions"]
+    return inputs
+
+
+def shape_key(batch, num_micro_batches):
+    """What a graph is recorded for: every input's name, shape and dtype, and the 1 / n its loss is
+    scaled by."""
+    return tuple((k, tuple(t.shape), t.dtype) for k, t in graph_inputs(batch).items()) + (num_micro_batches,)
 
 
 class CapturedMicroBatch:
     """One shape's graph: forward_step + backward + gradient accumulation of one micro-batch. It keeps
     the graph and its input and output tensors, not the model (so a model's graphs go with the model)."""
 
-    def __init__(self, forward_step, model, optimizer, num_micro_batches, batch):
+    def __init__(self, forward_step, model, optimizer, num_micro_batches, batch, pool):
         self.loss_scale = optimizer.loss_scale
-        self.static = {k: batch[k].clone() for k in GRAPH_INPUTS}
-        static_batch = {**batch, **self.static, "packing": None, "lm_rows": None, "loss_positions": None}
+        self.static = {k: t.clone() for k, t in graph_inputs(batch).items()}
+        packing = batch["packing"]
+        if packing is not None:
+            packing = packing._replace(index=self.static["index"], cls_rows=self.static["cls_rows"],
+                                       cu_seqlens=self.static["cu_seqlens"])
+        static_batch = {**batch, **{k: self.static[k] for k in BATCH_INPUTS}, "packing": packing,
+                        "loss_positions": self.static.get("loss_positions"), "lm_rows": None}
         run = lambda accumulate: forward_backward(forward_step, model, optimizer, num_micro_batches,  # noqa: E731
                                                   static_batch, accumulate)
         stream = torch.cuda.Stream()  # warm-up and capture on one side stream (its cuBLAS workspace)
         warm_up(run, stream)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, stream=stream):
+        with torch.cuda.graph(self.graph, pool=pool, stream=stream):
             self.losses, self.has_sop = run(True)  # [3]: loss, lm loss, sop loss
 
     def replay(self, batch):
         """-> (loss, metrics) of this micro-batch, as forward_step's (losses are fresh device tensors)."""
-        for name, tensor in self.static.items():
-            tensor.copy_(batch[name], non_blocking=True)
+        for name, tensor in graph_inputs(batch).items():
+            self.static[name].copy_(tensor, non_blocking=True)
         self.graph.replay()
-        losses = self.losses.clone()  # the next replay overwrites self.losses
+        losses = self.losses.clone()  # the next replay overwrites self.losses (and may reuse its memory)
         metrics = {"lm loss": losses[1], "flops": batch["flops"], "tokens": batch["tokens"]}
         if self.has_sop:
             metrics["sop loss"] = losses[2]
@@ -103,29 +129,36 @@ def warm_up(run, stream):
     torch.cuda.set_rng_state(states[1])
 
 
-_graphs = weakref.WeakKeyDictionary()  # model -> {shape key: CapturedMicroBatch}, made by its first steps
+class ModelGraphs:
+    """A model's graphs, one per shape, and the memory pool they share."""
+
+    def __init__(self):
+        self.pool = torch.cuda.graph_pool_handle()
+        self.by_shape = {}
 
 
-def shape_key(batch, num_micro_batches):
-    """What a graph is recorded for: every input's shape and dtype, and the 1 / n its loss is scaled by."""
-    return tuple((tuple(batch[k].shape), batch[k].dtype) for k in GRAPH_INPUTS) + (num_micro_batches,)
+_graphs = weakref.WeakKeyDictionary()  # model -> its ModelGraphs, made by its first train_step
 
 
 def forward_backward_captured(forward_step, batches, model, optimizer):
     """The schedule of forward_backward_no_pipelining with each micro-batch replayed from its shape's graph
     (captured at its first use) -> the list of each micro-batch's (loss, metrics)."""
-    graphs = _graphs.setdefault(model, {})
-    for key in [k for k, g in graphs.items() if g.loss_scale != optimizer.loss_scale]:
-        del graphs[key]  # fp16: the scale changed, and a graph holds the old one
+    graphs = _graphs.get(model)
+    if graphs is None:
+        graphs = _graphs[model] = ModelGraphs()
+    if any(g.loss_scale != optimizer.loss_scale for g in graphs.by_shape.values()):
+        _graphs[model] = graphs = ModelGraphs()  # fp16: the scale changed, and every graph holds the old one
     results = []
     for batch in batches:
         key = shape_key(batch, len(batches))
-        if key not in graphs:
-            graphs[key] = CapturedMicroBatch(forward_step, model, optimizer, len(batches), batch)
-        results.append(graphs[key].replay(batch))
+        if key not in graphs.by_shape:
+            graphs.by_shape[key] = CapturedMicroBatch(forward_step, model, optimizer, len(batches), batch,
+                                                      graphs.pool)
+        results.append(graphs.by_shape[key].replay(batch))
     return results
 
 
 def captured_graphs(model) -> int:
     """How many micro-batch graphs `model` holds (for tests and the log)."""
-    return len(_graphs.get(model, {}))
+    graphs = _graphs.get(model)
+    return len(graphs.by_shape) if graphs is not None else 0

@@ -58,8 +58,15 @@ def trimmed_length(is_pad, multiple=TRIM_MULTIPLE) -> int:
     return min(s, -(-longest // multiple) * multiple)
 
 
-def make_packing(is_pad) -> Packing:
-    """CPU bool [b, s] (True = padding) -> the packing of its real tokens (CPU tensors)."""
+def make_packing(is_pad, bucket=None) -> Packing:
+    """CPU bool [b, s] (True = padding) -> the packing of its real tokens (CPU tensors).
+
+    bucket (<= s; CUDA graphs, minibert/cuda_graphs.py, which replay fixed shapes): the n real rows are
+    followed by filler rows up to a multiple of `bucket` (at most b * s), so a micro-batch has one of
+    b * s / bucket row counts instead of any. The fillers are the first padding positions (distinct, so
+    a scatter back to [b, s] writes each once), they form one more sample of their own in cu_seqlens
+    (fewer than bucket <= s rows: the varlen kernel attends among them and nothing else), and the loss
+    reads them at padding, where loss_mask is 0: no real row and no gradient sees them."""
     b, s = is_pad.shape
     real = ~is_pad.reshape(-1)
     index = real.nonzero().squeeze(1)                        # [n] flat positions
@@ -67,6 +74,13 @@ def make_packing(is_pad) -> Packing:
     ends = torch.cumsum(counts, 0)
     cls_rows = ends - counts                                 # packed row of each sample's first token
     cu_seqlens = torch.cat([ends.new_zeros(1), ends]).to(torch.int32)   # [0, end of sample 0, ...]
+    if bucket is not None:
+        n = len(index)
+        rows = min(b * s, -(-max(n, 1) // bucket) * bucket)
+        if rows > n:
+            fillers = (~real).nonzero().squeeze(1)[:rows - n]           # the first padding positions
+            index = torch.cat([index, fillers])
+            cu_seqlens = torch.cat([cu_seqlens, cu_seqlens.new_tensor([rows])])
     return Packing(index, cls_rows, cu_seqlens, b, s)
 
 

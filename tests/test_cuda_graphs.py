@@ -58,14 +58,67 @@ def graph_config(**overrides):
     return Config(**{**values, **overrides})
 
 
-def test_the_flag_turns_packing_and_overlap_off_with_one_line_each():
+def test_the_flag_turns_overlap_off_with_one_line_and_keeps_packing():
     warnings = []
     cfg = validate(graph_config(overlap_grad_reduce=True), world_size=2, device_type="cuda", warn=warnings.append)
-    assert not cfg.pack_tokens and not cfg.overlap_grad_reduce and len(warnings) == 2
-    assert "fixed [micro batch, sequence] shapes" in warnings[0] and "--overlap-grad-reduce" in warnings[1]
+    assert cfg.pack_tokens and not cfg.overlap_grad_reduce
+    assert len(warnings) == 1 and "--overlap-grad-reduce" in warnings[0]
     warnings.clear()
-    validate(graph_config(pack_tokens=False), device_type="cuda", warn=warnings.append)
-    assert warnings == []  # --no-pack-tokens silences it
+    validate(graph_config(), device_type="cuda", warn=warnings.append)
+    assert warnings == []
+
+
+def test_bucketed_packing_rounds_the_rows_up_with_fillers_at_padding():
+    """make_packing(bucket): n real rows, then the first padding positions up to a multiple of bucket
+    (at most b * s), as one more sample in cu_seqlens; a full batch gets no fillers."""
+    from minibert.packing import make_packing
+    is_pad = torch.ones(3, 8, dtype=torch.bool)
+    for sample, length in enumerate((5, 2, 8)):
+        is_pad[sample, :length] = False
+    plain, bucketed = make_packing(is_pad), make_packing(is_pad, bucket=8)
+    assert plain.index.tolist() == [0, 1, 2, 3, 4, 8, 9, 16, 17, 18, 19, 20, 21, 22, 23]
+    assert bucketed.index.tolist() == plain.index.tolist() + [5]           # 15 real rows -> 16
+    assert bucketed.cu_seqlens.tolist() == [0, 5, 7, 15, 16] and bucketed.cls_rows.tolist() == [0, 5, 7]
+    assert not is_pad.reshape(-1)[plain.index].any() and is_pad.reshape(-1)[bucketed.index[15:]].all()
+    full = make_packing(torch.zeros(2, 8, dtype=torch.bool), bucket=8)
+    assert full.index.tolist() == list(range(16)) and full.cu_seqlens.tolist() == [0, 8, 16]
+    for bucket in (1, 3, 5, 8):
+        rows = len(make_packing(is_pad, bucket=bucket).index)
+        assert rows % bucket == 0 or rows == 24, (bucket, rows)
+        assert rows - 15 < bucket
+
+
+@pytest.mark.parametrize("backend", ["local", "flash"])
+def test_the_layout_a_graph_replays_equals_the_padded_twin(tiny_data, backend):
+    """What get_batch makes for --cuda-graph-impl local (untrimmed, every micro-batch packed, rows rounded
+    up to a multiple of s with fillers), run eagerly on the CPU: the padded twin's loss and gradients, with
+    the fillers scattered to padding (local) or attending among themselves (flash, varlen, interpreted)."""
+    import dataclasses
+    from minibert.batches import build_data_iterator, build_datasets, get_batch
+    from minibert.build import build_model_and_optimizer
+    from minibert.train import forward_step
+    cfg = validate(Config(num_layers=2, hidden_size=32, num_attention_heads=2, seq_length=64, micro_batch_size=4,
+                          global_batch_size=4, train_iters=2, lr=1e-3, data_path=[tiny_data["prefix"]],
+                          vocab_file=tiny_data["vocab"], split="90,5,5", hidden_dropout=0.0, attention_dropout=0.0,
+                          eval_iters=0, attention_backend=backend))
+    _, (train_ds, _, _) = build_datasets(cfg, log=lambda line: None)
+    device = torch.device("cpu")
+    runs = {}
+    for name, run_cfg in {"graph layout": dataclasses.replace(cfg, cuda_graph_impl="local"),  # validated above
+                          "padded": dataclasses.replace(cfg, pack_tokens=False)}.items():
+        model, _, _ = build_model_and_optimizer(run_cfg, device)
+        batch = get_batch(build_data_iterator(train_ds, 0, run_cfg, device), device, run_cfg)
+        loss, _ = forward_step(batch, model, None, run_cfg)
+        loss.backward()
+        runs[name] = loss.detach(), {n: p.main_grad.clone() for n, p in model.named_parameters()}, batch
+    packing = runs["graph layout"][2]["packing"]
+    real = int((~runs["padded"][2]["is_pad"]).sum())
+    assert len(packing.index) % 64 == 0 and real < len(packing.index) < real + 64  # fillers, this batch
+    assert runs["graph layout"][2]["text"].shape == (4, 64)                         # not trimmed
+    torch.testing.assert_close(runs["graph layout"][0], runs["padded"][0], rtol=1e-5, atol=0)
+    for name, grad in runs["padded"][1].items():
+        error = (runs["graph layout"][1][name] - grad).norm() / grad.norm().clamp(min=1e-12)
+        assert error < 1e-4, (name, float(error))
 
 
 @pytest.mark.parametrize("overrides,world,named", [

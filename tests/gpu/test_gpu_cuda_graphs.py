@@ -80,8 +80,7 @@ def trainer_pieces(tmp_path, **overrides):
     (prefix,) = preprocess(str(tmp_path / "c.txt"), str(tmp_path / "c"), build_tokenizer("BertWordPieceLowerCase"),
                            split_sentences=True, progress=False)
     values = dict(num_layers=4, hidden_size=128, num_attention_heads=8, seq_length=128, micro_batch_size=4,
-                  global_batch_size=16, train_iters=8, lr=1e-3, data_path=[prefix], eval_iters=0, num_workers=0,
-                  pack_tokens=False)
+                  global_batch_size=16, train_iters=8, lr=1e-3, data_path=[prefix], eval_iters=0, num_workers=0)
     cfg = validate(Config(**{**values, **overrides}), device_type="cuda", warn=None)
     _, (train_ds, _, _) = build_datasets(cfg, log=lambda line: None)
     return cfg, train_ds
@@ -102,15 +101,19 @@ def losses_of(cfg, train_ds, steps):
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_captured_steps_equal_eager_steps_without_dropout(tmp_path, precision):
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "padded"])
+def test_captured_steps_equal_eager_steps_without_dropout(tmp_path, precision, packed):
     """make train-small's model, 4 micro-batches per step: without dropout the captured run's losses are
-    the eager run's (same kernels on the same numbers), step after step of AdamW updates."""
-    cfg, train_ds = trainer_pieces(tmp_path, hidden_dropout=0.0, attention_dropout=0.0, bf16=precision == "bf16")
+    the eager run's, step after step of AdamW updates. Padded: the same kernels on the same numbers, one
+    graph. Packed: the graph's rows are rounded up with fillers (the eager run trims instead), one graph
+    per row count met, at most 4 (micro batch x s / s)."""
+    cfg, train_ds = trainer_pieces(tmp_path, hidden_dropout=0.0, attention_dropout=0.0, bf16=precision == "bf16",
+                                   pack_tokens=packed)
     eager, graphs = losses_of(cfg, train_ds, 6)
     assert graphs == 0
     captured, graphs = losses_of(dataclasses.replace(cfg, cuda_graph_impl="local"), train_ds, 6)
-    assert graphs == 1  # one shape, one graph
-    tolerance = 1e-5 if precision == "fp32" else 2e-3
+    assert graphs == 1 if not packed else 1 <= graphs <= 4
+    tolerance = (1e-5 if not packed else 1e-4) if precision == "fp32" else 2e-3
     assert all(abs(a - b) <= tolerance * abs(b) for a, b in zip(captured, eager)), (captured, eager)
     assert eager[-1] < eager[0]
 
@@ -154,7 +157,6 @@ def test_fp16_captured_run_recaptures_on_scale_changes_and_resumes_exactly(tmp_p
     second = run_train(common + ["--load", tmp_path / "ck"])
     for r in (unbroken, first, second):
         assert r.returncode == 0, r.stderr[-2000:]
-    assert "packed micro-batches are off: a CUDA graph" in unbroken.stderr
 
     def lines(out):
         timing = re.compile(r"elapsed time per iteration \(ms\): [\d.]+ \| throughput per GPU \(TFLOP/s/GPU\): "
