@@ -11,6 +11,9 @@ torch.cuda.synchronize() calls. Each contender gets a fresh model and a fresh pe
     HF eager     BertForPreTraining (sdpa attention), fp32 weights under autocast bf16, fused AdamW, as
                  the peer setup of docs/measuring.md (no clipping); vocab = minibert's padded vocab, so both run the same matmuls
     HF compiled  the same, forward through torch.compile(model) (skipped on the CPU)
+    minibert, CUDA graphs   minibert with --cuda-graph-impl local (minibert/cuda_graphs.py): each
+                 micro-batch one graph replay; the graphs (one per row count) are captured in a first
+                 pass over the timed batches, before the warm-up, a one-time cost like compiling (GPU only)
 
 Sections (--sections picks them):
     1  BERT-large s512 b32, full-length batches: every position real, cut from the default corpus's token
@@ -18,7 +21,8 @@ Sections (--sections picks them):
        token by token, not Megatron's whole-word n-grams: only the count matters for speed)
     2  BERT-large s512 b32 on padded batches: Megatron's samples (minibert.masked_lm) from the long-document
        corpus and from the default corpus, and synthetic lengths U[128, 512] (padding after the length);
-       minibert packed (the default), minibert padded (--no-pack-tokens), HF eager with the attention mask
+       minibert packed (the default), minibert padded (--no-pack-tokens), minibert packed with CUDA graphs,
+       HF eager with the attention mask
     3  BERT-base s128 b256, full-length batches (as section 1)
     4  make train-small's model (4 layers, 128 hidden, 8 heads, s128, micro 4, global 16) on Megatron
        samples of the default corpus: ms per train_step, fp32 and bf16, eager and, on a GPU, with
@@ -179,6 +183,8 @@ CONTENDERS = {  # name -> (build(cfg, batches, device) -> step, config overrides
     "minibert": (minibert_stepper, {}),
     "minibert packed": (minibert_stepper, {}),
     "minibert padded": (minibert_stepper, {"pack_tokens": False}),
+    "minibert, CUDA graphs": (minibert_stepper, {"cuda_graph_impl": "local"}),
+    "minibert packed, CUDA graphs": (minibert_stepper, {"cuda_graph_impl": "local"}),
     "HF eager": (hf_stepper, {}),
     "HF compiled": (lambda cfg, batches, device: hf_stepper(cfg, batches, device, compiled=True), {}),
 }
@@ -199,8 +205,12 @@ def measure(contender, cfg, batches, settings) -> Measurement:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     torch.manual_seed(SEED)
-    step = build(cfg, batches, device)
-    for _ in range(settings.warmup):
+    timed = batches[settings.warmup * m:(settings.warmup + settings.steps) * m]
+    # --cuda-graph-impl local captures one graph per micro-batch shape, the first time it meets it (a
+    # one-time cost, like compiling): a first pass over the timed batches meets every shape they have
+    prime = timed if cfg.cuda_graph_impl == "local" else []
+    step = build(cfg, prime + list(batches), device)
+    for _ in range(len(prime) // m + settings.warmup):
         step()
     synchronize(device)
     start = time.perf_counter()
@@ -212,7 +222,6 @@ def measure(contender, cfg, batches, settings) -> Measurement:
     loss = float(loss)
     if not np.isfinite(loss):
         raise RuntimeError(f"{contender}: the loss is {loss} after {settings.warmup + settings.steps} steps")
-    timed = batches[settings.warmup * m:(settings.warmup + settings.steps) * m]
     counts = [batch_flops(b, cfg, b["padding_mask"] != 1) for b in timed]
     del step
     if contender == "HF compiled":
@@ -225,6 +234,8 @@ def contenders_for(names, settings):
     if settings.device.type == "cpu":
         print("  HF compiled: skipped on the CPU", flush=True)
         names = [n for n in names if "compiled" not in n]
+        print("  minibert with CUDA graphs: skipped on the CPU", flush=True)
+        names = [n for n in names if "CUDA graphs" not in n]
     return names
 
 
@@ -242,6 +253,8 @@ def throughput_rows(label, contender, result: Measurement, settings, full=True):
     how = f"{ms:.1f} ms/step, {result.steps} timed steps after {settings.warmup} warm-up; loss {result.loss:.3f}"
     if contender == "minibert":
         how += "; packed micro-batches (the trainer's default)"
+    elif "CUDA graphs" in contender:
+        how += "; --cuda-graph-impl local: one graph replay per micro-batch, captured before the timed steps"
     rows = [row(f"{label}: {contender}, seq/s", result.samples / result.seconds, "seq/s", how)]
     if full:
         mfu = result.tflops * 1e12 / PEAK_FLOPS
@@ -273,10 +286,12 @@ def full_length_section(name, settings, full=True):
     prefix, _ = corpus_prefix("default", settings)
     batches = stream_batches(prefix, batches_needed(cfg, settings), micro, seq, settings.device)
     results, rows = {}, []
-    for contender in contenders_for(["minibert", "HF eager", "HF compiled"], settings):
+    for contender in contenders_for(["minibert", "minibert, CUDA graphs", "HF eager", "HF compiled"], settings):
         results[contender] = measure(contender, cfg, batches, settings)
         rows += print_rows(throughput_rows(label, contender, results[contender], settings, full))
     rows += print_rows(ratio_rows(label, results))
+    if "minibert, CUDA graphs" in results:
+        rows += print_rows(ratio_rows(label, results, mine="minibert, CUDA graphs"))
     return rows, results
 
 
@@ -309,6 +324,8 @@ def section_2(settings):
                 (f"synthetic lengths U[{low},{seq}]", stream_batches(default_prefix, count, micro, seq, device,
                                                                    lengths), "padding after the length")]
     reference = {"minibert packed": "minibert", "minibert padded": "minibert", "HF eager + mask": "HF eager"}
+    if device.type == "cuda":
+        reference["minibert packed, CUDA graphs"] = "minibert"
     for what, batches, note in datasets:
         label = f"{model}, {what}"
         real = mean_real_tokens(batches)
@@ -326,7 +343,7 @@ def section_2(settings):
                 row(f"{label}: {contender}, real tokens/s vs full-length",
                     100 * result.tokens_per_s / settings.full_length[full_length], "%",
                     f"of {full_length}'s real tokens/s on full-length batches"
-                    + ("; target >= 90%" if contender == "minibert packed" else ""))])
+                    + ("; target >= 90%" if contender.startswith("minibert packed") else ""))])
     return rows
 
 
@@ -364,7 +381,7 @@ def section_4(settings):
         _, (train_ds, _, _) = build_datasets(cfg, log=lambda line: None)
         loader = build_data_iterator(train_ds, 0, cfg, settings.device)
         model, optimizer, scheduler = build_model_and_optimizer(cfg, settings.device)
-        for _ in range(settings.warmup):
+        for _ in range(settings.warmup + (settings.steps if graphed else 0)):  # graphs: meet the row counts
             train_step(model, optimizer, scheduler, loader, cfg, settings.device)
         synchronize(settings.device)
         start = time.perf_counter()
