@@ -12,7 +12,9 @@ torch.cuda.set_sync_debug_mode("warn"), which counts the operations that make th
 Variants (PLAN says which run on which batches): packed (the trainer's default: the varlen flash kernel
 reads the packed rows) and the same again (the spread of one configuration), packed through the scatter
 route (attention on a zeroed [b, s', 3h] buffer, and the 85% rule, as every non-flash backend runs), packed with the fused
-LayerNorm off, with Python's automatic garbage collector off, padded (--no-pack-tokens). Full-length
+LayerNorm off, with Python's automatic garbage collector off, padded (--no-pack-tokens), and packed with
+--cuda-graph-impl local (one graph replay per micro-batch; its profiled steps may meet a new row count,
+whose capture then shows in their kernel time). Full-length
 batches have nothing to pack: there "packed" is the trainer's default path on them.
 bench/notes-packing.md reads the results."""
 import argparse
@@ -45,14 +47,16 @@ VARIANTS = {  # name -> (config overrides, attention through the scatter route, 
     "packed, gc off, --no-bias-dropout-fusion": ({"bias_dropout_fusion": False}, False, True),
     "padded (--no-pack-tokens)": ({"pack_tokens": False}, False, False),
     "padded, gc off": ({"pack_tokens": False}, False, True),
-}
+    "packed, CUDA graphs": ({"cuda_graph_impl": "local"}, False, False),  # a new row count in the profiled
+}                                                                          # steps is captured there too
 PLAN = {  # batches -> the variants run on them, in this order
     "full length": ["packed (varlen flash)", "packed, again", "packed, gc off"],
     "long-document corpus": ["packed (varlen flash)", "padded (--no-pack-tokens)", "packed, gc off",
                              "padded, gc off"],
-    "U[128,512]": ["packed (varlen flash)", "packed, scatter route", "packed, gc off"],
+    "U[128,512]": ["packed (varlen flash)", "packed, scatter route", "packed, gc off", "packed, CUDA graphs"],
     "default corpus": ["packed (varlen flash)", "packed, again", "packed, --no-bias-dropout-fusion",
-                       "packed, gc off", "packed, gc off, --no-bias-dropout-fusion", "padded (--no-pack-tokens)"],
+                       "packed, gc off", "packed, gc off, --no-bias-dropout-fusion", "padded (--no-pack-tokens)",
+                       "packed, CUDA graphs"],
 }
 
 
