@@ -365,7 +365,7 @@ def _validate_cuda_graph(cfg: Config, device_type: str, warn):
     if cfg.tensor_model_parallel_size > 1 or cfg.pipeline_model_parallel_size > 1:
         raise UsageError("--cuda-graph-impl local captures whole micro-batches on one rank's model: use it with "
                          "--tensor-model-parallel-size 1 and --pipeline-model-parallel-size 1 (data parallelism "
-                         "works)")
+                         "is allowed)")
     if cfg.recompute is not None:
         raise UsageError("--cuda-graph-impl local cannot capture activation recompute (it saves and restores "
                          "random-generator states on the host): drop --recompute-* or the graph")
