@@ -128,8 +128,8 @@ def get_batch(data_iterator, device, cfg):
     and real tokens (Python numbers), and the indices the model and loss need, computed here on the CPU:
     `packing` (cfg.pack_tokens: the real tokens' positions, minibert.packing; the batch is then trimmed to
     its longest sample; with --cuda-graph-impl local it is not trimmed, every micro-batch is packed and its
-    rows are rounded up to a multiple of s with filler rows, so that a few graphs serve every batch), `lm_rows` (--sparse-mlm: the rows of the model's flattened hidden states the LM
-    head computes) and `loss_positions` (the flat positions b * s + j the LM logits' rows belong to; None:
+    rows are rounded up to a multiple of s with filler rows, so that a few graphs serve every batch),
+    `lm_rows` (--sparse-mlm: the rows of the model's flattened hidden states the LM head computes) and `loss_positions` (the flat positions b * s + j the LM logits' rows belong to; None:
     all of [b, s]). Megatron's padding_mask is 1 at real tokens and the vocab's [PAD] id at padding (0 with
     BERT's vocab), so padding is where it is not 1 (build_datasets refuses a vocab whose [PAD] is 1)."""
     try:

@@ -46,6 +46,14 @@ def draw_seed(dropout_p, device):
     return int(torch.randint(0, 2**31 - 1, (1,)).item())
 
 
+def kernel_seed(seed, dropout_p, device):
+    """A kernel's seed argument from what its caller passed: None -> draw_seed; draw_seed's tensor as it
+    is; any other number as a Python int."""
+    if seed is None:
+        return draw_seed(dropout_p, device)
+    return seed if seed_in_memory(seed) else int(seed)
+
+
 def seed_in_memory(seed) -> bool:
     """The kernels' SEED_IN_MEMORY switch: True when `seed` is draw_seed's device tensor (a pointer to load
     the seed from), False for a Python int (passed by value)."""

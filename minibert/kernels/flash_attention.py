@@ -67,7 +67,8 @@ import triton.language as tl
 
 from minibert.errors import UsageError
 from minibert.kernels import interpreting
-from minibert.kernels.dropout import _dropout_keep, draw_seed, dropout_threshold, effective_dropout_p, seed_in_memory
+from minibert.kernels.dropout import (_dropout_keep, dropout_threshold, effective_dropout_p, kernel_seed,
+                                      seed_in_memory)
 
 LOG2_E = math.log2(math.e)  # exp(x) = exp2(x * LOG2_E): the scale absorbs it
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -428,5 +429,5 @@ def flash_attention(q, k, v, padding_mask=None, scale=None, dropout_p=0.0, seed=
     """
     check_inputs(q, k, v, padding_mask, dropout_p)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    seed = draw_seed(dropout_p, q.device) if seed is None else seed
+    seed = kernel_seed(seed, dropout_p, q.device)
     return FlashAttention.apply(q, k, v, padding_mask, scale, float(dropout_p), seed)

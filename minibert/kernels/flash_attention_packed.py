@@ -12,7 +12,7 @@ into qkv for the forward, and views into one empty [b, s, heads, 3, d] buffer fo
 gradient arrives in the Linear's own layout, no stack, no copy. Same kernels, same numbers."""
 import torch
 
-from minibert.kernels.dropout import draw_seed
+from minibert.kernels.dropout import kernel_seed
 from minibert.kernels.flash_attention import (LOG2_E, attention_forward, check_inputs, pick_tiles,  # noqa: F401
                                               prepare_padding)
 
@@ -55,5 +55,5 @@ def flash_attention_qkv(qkv, padding_mask=None, scale=None, dropout_p=0.0, seed=
     q, k, v = _views(qkv)
     check_inputs(q, k, v, padding_mask, dropout_p)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    seed = draw_seed(dropout_p, qkv.device) if seed is None else seed
+    seed = kernel_seed(seed, dropout_p, qkv.device)
     return FlashAttentionQKV.apply(qkv.contiguous(), padding_mask, scale, float(dropout_p), seed)

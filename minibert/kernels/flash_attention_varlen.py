@@ -30,7 +30,7 @@ import torch
 
 from minibert.errors import UsageError
 from minibert.kernels import interpreting
-from minibert.kernels.dropout import draw_seed
+from minibert.kernels.dropout import kernel_seed
 from minibert.kernels.flash_attention import MAX_HEAD_DIM, SUPPORTED_DTYPES, Varlen, attention_forward, pick_tiles
 
 
@@ -94,6 +94,6 @@ def flash_attention_varlen(qkv, cu_seqlens, max_len, scale=None, dropout_p=0.0, 
     [b, max_len] when the rows are right-padded samples)."""
     check_inputs(qkv, cu_seqlens, dropout_p)
     scale = qkv.shape[-1] ** -0.5 if scale is None else float(scale)
-    seed = draw_seed(dropout_p, qkv.device) if seed is None else seed
+    seed = kernel_seed(seed, dropout_p, qkv.device)
     qkv = qkv if qkv.stride(-1) == 1 else qkv.contiguous()
     return FlashAttentionVarlen.apply(qkv, cu_seqlens, int(max_len), scale, float(dropout_p), seed)

@@ -74,7 +74,8 @@ import triton.language as tl
 
 from minibert.errors import UsageError
 from minibert.kernels import interpreting
-from minibert.kernels.dropout import _dropout_keep, draw_seed, dropout_threshold, effective_dropout_p, seed_in_memory
+from minibert.kernels.dropout import (_dropout_keep, dropout_threshold, effective_dropout_p, kernel_seed,
+                                      seed_in_memory)
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_WIDTH = 8192  # a whole row sits in registers: 8192 fp32 over 16 warps is 16 values per thread per tensor
@@ -368,7 +369,7 @@ def dropout_add_layer_norm(residual, y, weight, bias, eps, dropout_p=0.0, seed=N
     """
     dropout_p = float(dropout_p)
     _check_inputs(residual, y, weight, bias, eps, dropout_p)
-    seed = draw_seed(dropout_p, residual.device) if seed is None else seed
+    seed = kernel_seed(seed, dropout_p, residual.device)
     return _DropoutAddLayerNorm.apply(residual, y, weight, bias, float(eps), dropout_p, seed,
                                       pick_tiles(residual.shape[-1]))
 
