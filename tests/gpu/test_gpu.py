@@ -198,9 +198,13 @@ def run_train(args):
                           capture_output=True, text=True, cwd=ROOT, timeout=600)
 
 
-def test_fp16_resume_mid_window_with_workers_and_flash_dropout_is_exact(tmp_path):
+@pytest.mark.parametrize("graphs", [[], ["--cuda-graph-impl", "local"]], ids=["eager", "cuda graphs"])
+def test_fp16_resume_mid_window_with_workers_and_flash_dropout_is_exact(tmp_path, graphs):
     """fp16 (the loss scaler inside its growth window), 2 data-loader workers, flash attention with
-    in-kernel dropout: a run stopped and resumed logs exactly the unbroken run's lines."""
+    in-kernel dropout: a run stopped and resumed logs exactly the unbroken run's lines. With CUDA graphs
+    (minibert/cuda_graphs.py) too: each change of the loss scale captures the graphs again, the warm-up
+    before a capture draws no random numbers, and the graphs' draws come from the checkpointed CUDA
+    generator."""
     from minibert.corpus import write_default_corpus
     from minibert.preprocess import preprocess
     from minibert.tokenizer import build_tokenizer
@@ -211,7 +215,7 @@ def test_fp16_resume_mid_window_with_workers_and_flash_dropout_is_exact(tmp_path
               "--micro-batch-size", 8, "--global-batch-size", 16, "--train-iters", 12, "--lr", 1e-4,
               "--lr-warmup-iters", 2, "--data-path", prefix, "--fp16", "--loss-scale-window", 5,
               "--num-workers", 2, "--log-interval", 1, "--eval-interval", 6, "--eval-iters", 2,
-              "--attention-backend", "flash", "--split", "90,5,5"]
+              "--attention-backend", "flash", "--split", "90,5,5"] + graphs
     unbroken = run_train(common)
     first = run_train(common + ["--save", tmp_path / "ck", "--exit-interval", 7])
     second = run_train(common + ["--load", tmp_path / "ck"])

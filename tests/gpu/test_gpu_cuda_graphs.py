@@ -1,16 +1,12 @@
 """--cuda-graph-impl local on a GPU (minibert/cuda_graphs.py): the kernels' device-drawn seeds, captured
-training against eager training, fresh dropout at every replay, fp16 recapture and exact resume."""
+training against eager training, fresh dropout at every replay. (fp16 recapture and exact resume with
+graphs: test_gpu.py's resume test, parametrized.)"""
 import dataclasses
-import os
-import re
-import subprocess
-import sys
 
 import pytest
 import torch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def test_a_seed_in_device_memory_gives_the_int_seeds_numbers():
@@ -130,39 +126,3 @@ def test_captured_steps_with_dropout_train_like_eager(tmp_path):
     late = lambda losses: sum(losses[-10:]) / 10  # noqa: E731
     assert late(captured) < captured[0] - 1.0
     assert abs(late(captured) - late(eager)) < 0.05 * late(eager), (late(captured), late(eager))
-
-
-def run_train(args):
-    return subprocess.run([sys.executable, os.path.join(ROOT, "minibert", "train.py")] + [str(a) for a in args],
-                          capture_output=True, text=True, cwd=ROOT, timeout=600)
-
-
-def test_fp16_captured_run_recaptures_on_scale_changes_and_resumes_exactly(tmp_path):
-    """fp16 with --cuda-graph-impl local: the loss scale changes (each change captures again), and a run
-    stopped and resumed logs exactly the unbroken run's lines (the warm-up before each capture draws no
-    random numbers, the graph's draws come from the checkpointed CUDA generator)."""
-    from minibert.corpus import write_default_corpus
-    from minibert.preprocess import preprocess
-    from minibert.tokenizer import build_tokenizer
-    write_default_corpus(tmp_path / "c.txt")
-    (prefix,) = preprocess(str(tmp_path / "c.txt"), str(tmp_path / "c"), build_tokenizer("BertWordPieceLowerCase"),
-                           split_sentences=True, progress=False)
-    common = ["--num-layers", 2, "--hidden-size", 256, "--num-attention-heads", 4, "--seq-length", 128,
-              "--micro-batch-size", 8, "--global-batch-size", 16, "--train-iters", 12, "--lr", 1e-4,
-              "--lr-warmup-iters", 2, "--data-path", prefix, "--fp16", "--loss-scale-window", 5,
-              "--num-workers", 2, "--log-interval", 1, "--eval-interval", 6, "--eval-iters", 2,
-              "--attention-backend", "flash", "--split", "90,5,5", "--cuda-graph-impl", "local"]
-    unbroken = run_train(common)
-    first = run_train(common + ["--save", tmp_path / "ck", "--exit-interval", 7])
-    second = run_train(common + ["--load", tmp_path / "ck"])
-    for r in (unbroken, first, second):
-        assert r.returncode == 0, r.stderr[-2000:]
-
-    def lines(out):
-        timing = re.compile(r"elapsed time per iteration \(ms\): [\d.]+ \| throughput per GPU \(TFLOP/s/GPU\): "
-                            r"[\d.]+ \| tokens per second: \d+ \| MFU: [\d.]+% \| ")
-        return [timing.sub("", line) for line in out.splitlines() if line.startswith(("iteration ", "validation"))]
-    assert lines(first.stdout) + lines(second.stdout) == lines(unbroken.stdout)
-    scales = {re.search(r"loss scale: ([\d.]+)", line).group(1) for line in lines(unbroken.stdout)
-              if line.startswith("iteration ")}
-    assert len(scales) > 1  # the scale moved, so the graphs were captured again
