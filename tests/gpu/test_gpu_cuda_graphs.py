@@ -109,7 +109,8 @@ def test_captured_steps_equal_eager_steps_without_dropout(tmp_path, precision, p
     assert graphs == 0
     captured, graphs = losses_of(dataclasses.replace(cfg, cuda_graph_impl="local"), train_ds, 6)
     assert graphs == 1 if not packed else 1 <= graphs <= 4
-    tolerance = (1e-5 if not packed else 1e-4) if precision == "fp32" else 2e-3
+    tolerance = {("fp32", False): 1e-5, ("fp32", True): 1e-4, ("bf16", False): 2e-3, ("bf16", True): 1e-2}[
+        precision, packed]  # packed: other shapes, so other summation orders (as the packed-vs-padded test)
     assert all(abs(a - b) <= tolerance * abs(b) for a, b in zip(captured, eager)), (captured, eager)
     assert eager[-1] < eager[0]
 
