@@ -28,8 +28,9 @@ accumulation into the fp32 main grads (fixed buffers outside the graph, so repla
 eager micro-batches do). What is not: getting the batch, the data-parallel reduction after the last
 micro-batch, and the optimizer step (its skip decision reads the grad norm on the host).
 
-Capture, once per shape: a warm-up forward + backward on a side stream first (kernels compile, cuBLAS
-picks its algorithms and workspaces: a graph cannot record a first-time setup), which leaves no trace:
+Capture, once per shape: a warm-up forward + backward on a side stream first (kernels compile, with the
+seed read from memory as in the capture, and cuBLAS picks its algorithms and workspaces: a graph cannot
+record a first-time setup), which leaves no trace:
 its gradients are dropped and the random generators are put back. Then the capture itself, which runs
 nothing: the kernels it records run at the first replay. A model's graphs share one memory pool: each
 replay's temporaries are dead once it ends (its outputs are copied at once, its gradients are in the
@@ -119,10 +120,12 @@ def forward_backward(forward_step, model, optimizer, num_micro_batches, batch, a
 
 def warm_up(run, stream):
     """run(accumulate=False) once on `stream`, leaving no trace: no gradient is kept, and the CPU and CUDA
-    generators are put back as they were."""
+    generators are put back as they were. Its dropout seeds are drawn on the device, as in the capture, so
+    the kernels the graph records (their SEED_IN_MEMORY variants) are compiled and loaded here."""
+    from minibert.kernels.dropout import seeds_on_device  # Triton is imported only where its kernels run
     states = torch.get_rng_state(), torch.cuda.get_rng_state()
     stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
+    with torch.cuda.stream(stream), seeds_on_device():
         run(False)
     torch.cuda.current_stream().wait_stream(stream)
     torch.set_rng_state(states[0])

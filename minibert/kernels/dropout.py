@@ -20,6 +20,8 @@ every replay would drop the same entries, so while a graph is being captured the
 device instead, as a one-element tensor the kernel loads (SEED_IN_MEMORY): the draw is a launch the graph
 records, and torch's CUDA generator gives every replay new numbers.
 """
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
@@ -35,15 +37,31 @@ def dropout_threshold(dropout_p):
     return min(round(dropout_p * DROPOUT_LEVELS), DROPOUT_LEVELS - 1)
 
 
+_seeds_on_device = False  # set by seeds_on_device(): a graph's warm-up draws as its capture will
+
+
 def draw_seed(dropout_p, device):
     """The Philox seed of one kernel call: 0 without dropout; a Python int from torch's CPU generator (so
-    torch.manual_seed makes runs repeatable); while a CUDA graph is being captured on `device`, an int64
-    tensor [1] drawn there by torch's CUDA generator, which advances at every replay of the graph."""
+    torch.manual_seed makes runs repeatable); while a CUDA graph is being captured on `device` (or inside
+    seeds_on_device()), an int64 tensor [1] drawn there by torch's CUDA generator, which advances at every
+    replay of the graph."""
     if dropout_p <= 0:
         return 0
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+    if device.type == "cuda" and (_seeds_on_device or torch.cuda.is_current_stream_capturing()):
         return torch.randint(0, 2**31 - 1, (1,), dtype=torch.int64, device=device)
     return int(torch.randint(0, 2**31 - 1, (1,)).item())
+
+
+@contextlib.contextmanager
+def seeds_on_device():
+    """Draw the seeds as a capture does, outside one: the warm-up before a capture runs (and so compiles)
+    the kernels' SEED_IN_MEMORY variants, so that nothing is compiled or loaded while a graph is recorded."""
+    global _seeds_on_device
+    _seeds_on_device = True
+    try:
+        yield
+    finally:
+        _seeds_on_device = False
 
 
 def kernel_seed(seed, dropout_p, device):
