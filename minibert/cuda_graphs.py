@@ -44,6 +44,7 @@ What production does: Megatron's --cuda-graph-impl local (CudaGraphManager) capt
 layer's forward and backward separately, which keeps the pipeline schedule and the collectives between
 the graphs; --cuda-graph-scope full_iteration captures a whole step. minibert captures whole micro-batches:
 fewer host calls than per-layer graphs, and one idea to read."""
+import gc
 import weakref
 
 import torch
@@ -86,8 +87,17 @@ class CapturedMicroBatch:
         stream = torch.cuda.Stream()  # warm-up and capture on one side stream (its cuBLAS workspace)
         warm_up(run, stream)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool, stream=stream):
-            self.losses, self.has_sop = run(True)  # [3]: loss, lm loss, sop loss
+        # thread_local: only this thread is barred from unsafe CUDA calls while recording (the DataLoader's
+        # pin-memory thread keeps pinning batches meanwhile); no garbage collection while recording: freeing
+        # an old graph would end the capture
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            with torch.cuda.graph(self.graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
+                self.losses, self.has_sop = run(True)  # [3]: loss, lm loss, sop loss
+        finally:
+            if collecting:
+                gc.enable()
 
     def replay(self, batch):
         """-> (loss, metrics) of this micro-batch, as forward_step's (losses are fresh device tensors)."""
