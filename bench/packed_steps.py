@@ -147,13 +147,18 @@ def main():
             if gc_off:
                 gc.disable()  # no automatic collections during the steps (measure's gc.collect() still runs)
             try:
-                result = train_bench.measure("minibert", run_cfg, batches, settings)
-                kernels, syncs = kernel_ms_per_step(run_cfg, batches, device,
-                                                    cpu_table=(what, name) == ("default corpus", "packed, gc off"))
+                measured, failed = train_bench.attempt("CUDA graphs" in name, f"{what}, {name}", lambda: (
+                    train_bench.measure("minibert", run_cfg, batches, settings),
+                    kernel_ms_per_step(run_cfg, batches, device,
+                                       cpu_table=(what, name) == ("default corpus", "packed, gc off"))))
             finally:
                 gc.enable()
-            wall = 1e3 * result.seconds / result.steps
-            line = f"| {what} | {name} | {wall:.1f} | {kernels:.1f} | {wall - kernels:.1f} | {syncs} |"
+            if measured is None:
+                line = f"| {what} | {name} | failed: {failed[0]['notes']} | | | |"
+            else:
+                result, (kernels, syncs) = measured
+                wall = 1e3 * result.seconds / result.steps
+                line = f"| {what} | {name} | {wall:.1f} | {kernels:.1f} | {wall - kernels:.1f} | {syncs} |"
             print(line, flush=True)
             lines.append(line)
     use_scatter_route(False)

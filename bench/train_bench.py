@@ -190,6 +190,19 @@ CONTENDERS = {  # name -> (build(cfg, batches, device) -> step, config overrides
 }
 
 
+def attempt(graphed, label, measurement):
+    """-> (measurement(), no rows). A --cuda-graph-impl local contender (graphed) that raises gives (None, a
+    row saying how it failed) instead: the graphs were written in a session without a GPU, so their first
+    runs may fail, and the bench then goes on with the other contenders. Any other failure raises."""
+    try:
+        return measurement(), []
+    except Exception as error:
+        if not graphed:
+            raise
+        message = " ".join(str(error).split())[:400]
+        return None, print_rows([row(f"{label}: failed", "failed", "", f"{type(error).__name__}: {message}")])
+
+
 def synchronize(device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -287,7 +300,12 @@ def full_length_section(name, settings, full=True):
     batches = stream_batches(prefix, batches_needed(cfg, settings), micro, seq, settings.device)
     results, rows = {}, []
     for contender in contenders_for(["minibert", "minibert, CUDA graphs", "HF eager", "HF compiled"], settings):
-        results[contender] = measure(contender, cfg, batches, settings)
+        result, failed = attempt("CUDA graphs" in contender, f"{label}: {contender}",
+                                 lambda: measure(contender, cfg, batches, settings))
+        rows += failed
+        if result is None:
+            continue
+        results[contender] = result
         rows += print_rows(throughput_rows(label, contender, results[contender], settings, full))
     rows += print_rows(ratio_rows(label, results))
     if "minibert, CUDA graphs" in results:
@@ -335,7 +353,11 @@ def section_2(settings):
                             row(f"{label}: length histogram, median real tokens per sample", median, "tokens",
                                 histogram)])
         for contender, full_length in reference.items():
-            result = measure(contender.replace(" + mask", ""), cfg, batches, settings)
+            result, failed = attempt("CUDA graphs" in contender, f"{label}: {contender}",
+                                     lambda: measure(contender.replace(" + mask", ""), cfg, batches, settings))
+            rows += failed
+            if result is None:
+                continue
             ms = 1e3 * result.seconds / result.steps
             rows += print_rows([
                 row(f"{label}: {contender}, real tokens/s", result.tokens_per_s, "tok/s",
@@ -367,7 +389,11 @@ def section_4(settings):
         for precision in ("fp32", "bf16"):
             cfg = minibert_config("small", settings, **{**base, **how, "bf16": precision == "bf16"})
             batches = megatron_batches(prefix, batches_needed(cfg, settings), cfg, settings.device)
-            result = measure("minibert", cfg, batches, settings)
+            result, failed = attempt(graphed, f"{label}{name}, {precision}",
+                                     lambda: measure("minibert", cfg, batches, settings))
+            rows += failed
+            if result is None:
+                continue
             target = "; target <= 15 ms on the H200" if precision == "fp32" else ""
             layout = ("packed micro-batches, rows rounded up to a multiple of 128, one graph replay each" if graphed
                       else "packed micro-batches")
@@ -377,23 +403,32 @@ def section_4(settings):
     # the same fp32 step fed by the trainer's DataLoader (worker processes making Megatron's samples)
     for graphed in graphs:
         how = {"cuda_graph_impl": "local"} if graphed else {}
-        cfg = minibert_config("small", settings, **{**base, **how, "num_workers": None, "data_path": [prefix]})
-        _, (train_ds, _, _) = build_datasets(cfg, log=lambda line: None)
-        loader = build_data_iterator(train_ds, 0, cfg, settings.device)
-        model, optimizer, scheduler = build_model_and_optimizer(cfg, settings.device)
-        for _ in range(settings.warmup + (settings.steps if graphed else 0)):  # graphs: meet the row counts
-            train_step(model, optimizer, scheduler, loader, cfg, settings.device)
-        synchronize(settings.device)
-        start = time.perf_counter()
-        for _ in range(settings.steps):
-            train_step(model, optimizer, scheduler, loader, cfg, settings.device)
-        synchronize(settings.device)
-        ms = 1e3 * (time.perf_counter() - start) / settings.steps
         name = ", --cuda-graph-impl local" if graphed else ""
+        cfg = minibert_config("small", settings, **{**base, **how, "num_workers": None, "data_path": [prefix]})
+        ms, failed = attempt(graphed, f"{label}{name}, fp32, through the DataLoader",
+                             lambda: dataloader_ms_per_iteration(cfg, prefix, settings, graphed))
+        rows += failed
+        if ms is None:
+            continue
         rows += print_rows([row(f"{label}{name}, fp32: ms per iteration, through the DataLoader", ms, "ms",
                                 f"{cfg.num_workers} DataLoader worker processes (the trainer's default on "
                                 f"this device, as make train-small)")])
     return rows
+
+
+def dataloader_ms_per_iteration(cfg, prefix, settings, graphed):
+    """ms per train_step fed by the trainer's own DataLoader (its worker processes make the samples)."""
+    _, (train_ds, _, _) = build_datasets(cfg, log=lambda line: None)
+    loader = build_data_iterator(train_ds, 0, cfg, settings.device)
+    model, optimizer, scheduler = build_model_and_optimizer(cfg, settings.device)
+    for _ in range(settings.warmup + (settings.steps if graphed else 0)):  # graphs: meet the row counts
+        train_step(model, optimizer, scheduler, loader, cfg, settings.device)
+    synchronize(settings.device)
+    start = time.perf_counter()
+    for _ in range(settings.steps):
+        train_step(model, optimizer, scheduler, loader, cfg, settings.device)
+    synchronize(settings.device)
+    return 1e3 * (time.perf_counter() - start) / settings.steps
 
 
 # Section 5: what each fused kernel buys, the trainer with it and without it (its plain twin), same batches.
