@@ -134,3 +134,49 @@ def test_what_the_flag_refuses_names_the_fix(overrides, world, named):
     with pytest.raises(UsageError) as info:
         validate(graph_config(**overrides), world_size=world, device_type=device, warn=None)
     assert named in str(info.value)
+
+
+def test_what_a_graph_records_is_the_eager_schedules_micro_batch(tiny_data):
+    """cuda_graphs.forward_backward, the function a graph records, run eagerly on the CPU: over two
+    micro-batches its main grads are the eager schedule's, bit for bit; the warm-up's form
+    (accumulate=False) leaves them untouched and no 16-bit grad behind. shape_key tells the bucketed
+    micro-batches' shapes apart."""
+    import dataclasses
+    import functools
+    from minibert.batches import build_data_iterator, build_datasets, get_batch
+    from minibert.build import build_model_and_optimizer
+    from minibert.cuda_graphs import forward_backward, shape_key
+    from minibert.parallel.pipeline import forward_backward_no_pipelining
+    from minibert.train import forward_step
+    cfg = validate(Config(num_layers=2, hidden_size=32, num_attention_heads=2, seq_length=64, micro_batch_size=4,
+                          global_batch_size=8, train_iters=2, lr=1e-3, data_path=[tiny_data["prefix"]],
+                          vocab_file=tiny_data["vocab"], split="90,5,5", hidden_dropout=0.0, attention_dropout=0.0,
+                          eval_iters=0))
+    cfg = dataclasses.replace(cfg, cuda_graph_impl="local")  # the graph's batch layout, run on the CPU
+    _, (train_ds, _, _) = build_datasets(cfg, log=lambda line: None)
+    device = torch.device("cpu")
+    iterator = build_data_iterator(train_ds, 0, cfg, device)
+    batches = [get_batch(iterator, device, cfg) for _ in range(2)]
+    step = functools.partial(forward_step, cfg=cfg)
+    grads = {}
+    for how in ("eager", "recorded"):
+        torch.manual_seed(0)
+        model, optimizer, _ = build_model_and_optimizer(cfg, device)
+        optimizer.zero_grad()
+        if how == "eager":
+            losses = [loss for loss, _ in forward_backward_no_pipelining(
+                step, batches, [model], grads=optimizer.grads, scale_loss=optimizer.scale_loss)]
+        else:
+            before = {n: p.main_grad.clone() for n, p in model.named_parameters()}
+            forward_backward(step, model, optimizer, 2, batches[0], accumulate=False)  # the warm-up
+            assert all(torch.equal(p.main_grad, before[n]) and p.grad is None for n, p in model.named_parameters())
+            recorded = [forward_backward(step, model, optimizer, 2, batch) for batch in batches]
+            losses = [values[0] for values, _ in recorded]
+            assert all(has_sop for _, has_sop in recorded)
+        grads[how] = (losses, {n: p.main_grad.clone() for n, p in model.named_parameters()})
+    assert [float(x) for x in grads["eager"][0]] == [float(x) for x in grads["recorded"][0]]
+    for name, grad in grads["eager"][1].items():
+        assert torch.equal(grads["recorded"][1][name], grad), name
+    keys = [shape_key(batch, 2) for batch in batches]
+    rows = [len(batch["packing"].index) for batch in batches]
+    assert (keys[0] == keys[1]) == (rows[0] == rows[1]) and all(r % 64 == 0 for r in rows)
