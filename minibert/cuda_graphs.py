@@ -88,8 +88,8 @@ class CapturedMicroBatch:
         warm_up(run, stream)
         self.graph = torch.cuda.CUDAGraph()
         # thread_local: only this thread is barred from unsafe CUDA calls while recording (the DataLoader's
-        # pin-memory thread keeps pinning batches meanwhile); no garbage collection while recording: freeing
-        # an old graph would end the capture
+        # pin-memory thread keeps pinning batches meanwhile); no garbage collection while recording: what it
+        # frees (an old graph, CUDA memory of other objects) is not this recording's business
         collecting = gc.isenabled()
         gc.disable()
         try:
@@ -172,6 +172,6 @@ def forward_backward_captured(forward_step, batches, model, optimizer):
 
 
 def captured_graphs(model) -> int:
-    """How many micro-batch graphs `model` holds (for tests and the log)."""
+    """How many micro-batch graphs `model` holds (for tests and benches)."""
     graphs = _graphs.get(model)
     return len(graphs.by_shape) if graphs is not None else 0
