@@ -47,6 +47,7 @@ def test_a_seed_in_device_memory_gives_the_int_seeds_numbers():
 def test_captured_dropout_draws_new_numbers_at_every_replay():
     """A graph of the flash kernel and the fused LayerNorm with dropout: two replays on the same inputs
     drop different entries (the seeds are drawn inside the graph); without dropout they agree."""
+    from minibert.kernels.dropout import seeds_on_device
     from minibert.kernels.flash_attention_packed import flash_attention_qkv
     from minibert.kernels.layer_norm import dropout_add_layer_norm
     dev = torch.device("cuda")
@@ -55,7 +56,8 @@ def test_captured_dropout_draws_new_numbers_at_every_replay():
     for p in (0.1, 0.0):
         for run in (lambda: flash_attention_qkv(qkv, None, dropout_p=p),
                     lambda: dropout_add_layer_norm(res, y, None, None, 1e-5, p)[0]):
-            run()  # compile outside the capture
+            with seeds_on_device():  # compile (the seed-in-memory variants too) outside the capture
+                run()
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
