@@ -25,9 +25,13 @@ def env(**extra):
     return e
 
 
-def torchrun_command(nproc, args, nnodes=1, node_rank=0, port=None):
+def torchrun_command(nproc, args, nnodes=1, node_rank=0, port=None, monitor_interval=None):
+    """monitor_interval: seconds between torchrun's checks of its workers (its default, 0.1 s, stops the
+    survivors of a dead worker at once: a test of what the survivors say themselves gives them longer)."""
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
                 "--master_addr", "127.0.0.1", "--master_port", str(port or free_port())]
+    if monitor_interval is not None:
+        launcher += ["--monitor-interval", str(monitor_interval)]
     if nnodes > 1:
         launcher += ["--nnodes", str(nnodes), "--node_rank", str(node_rank)]
     return launcher + [TRAIN_PY] + [str(a) for a in args]

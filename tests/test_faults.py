@@ -25,13 +25,14 @@ def args(data, *extra):
     return [str(a) for a in base + list(extra)]
 
 
-def command(nproc, arguments):
-    return [sys.executable, launch.TRAIN_PY] + arguments if nproc == 1 else launch.torchrun_command(nproc, arguments)
+def command(nproc, arguments, **torchrun):
+    return [sys.executable, launch.TRAIN_PY] + arguments if nproc == 1 else \
+        launch.torchrun_command(nproc, arguments, **torchrun)
 
 
-def start(nproc, arguments):
-    return subprocess.Popen(command(nproc, arguments), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=launch.env(), cwd=ROOT, start_new_session=True)
+def start(nproc, arguments, **torchrun):
+    return subprocess.Popen(command(nproc, arguments, **torchrun), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=launch.env(), cwd=ROOT, start_new_session=True)
 
 
 def iteration_lines(stdout):
@@ -125,7 +126,9 @@ def test_sigterm_on_one_rank_stops_every_rank_together(tiny_data, tmp_path):
 
 
 def test_a_killed_rank_makes_the_others_stop_naming_it(tiny_data, tmp_path):
-    process = start(2, args(tiny_data, "--train-iters", 100000))
+    # torchrun's own monitor would SIGTERM rank 0 within 0.1 s of rank 1's death, before rank 0's next
+    # collective fails (a race seen once on 2 loaded cores): checked every 5 s, rank 0 speaks first
+    process = start(2, args(tiny_data, "--train-iters", 100000), monitor_interval=5)
     time.sleep(12.0)
     workers = worker_pids(process.pid)
     killed_at = time.time()
