@@ -57,3 +57,28 @@ def test_tiny_cpu_run_prints_every_section():
             number_value = float(value.replace(",", ""))
             assert math.isfinite(number_value) and number_value >= 0, (name, value)
             assert unit, name
+
+
+def test_profile_steps_puts_kernels_in_their_categories():
+    """bench/profile_steps.py (a GPU script) sorts kernels by name: the names below are from its H200 run
+    (bench/profile_steps_h200.md), and the table sums each category per contender."""
+    sys.path.insert(0, ROOT)
+    from bench.profile_steps import category, tables
+    names = {"void cutlass::Kernel2<cutlass_80_tensorop_bf16_s16816gemm_bf16_256x128_64x3_tn_align2>": "matrix multiplies",
+             "nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT": "matrix multiplies",
+             "_attention_backward_dq_kernel": "attention",
+             "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26": "attention",
+             "_dropout_add_ln_bwd_kernel": "LayerNorm",
+             "void at::native::(anonymous namespace)::vectorized_layer_norm_kernel<float, float, false>": "LayerNorm",
+             "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<at::native::(anonymous n": "optimizer (AdamW, grad norm)",
+             "triton_poi_fused_gelu_gelu_backward_view_7": "compiled (Inductor's Triton kernels)",
+             "_cross_entropy_fwd_kernel": "cross entropy",
+             "void at::native::vectorized_elementwise_kernel<8, at::native::GeluBackwardCUDAKernelImpl(a": "elementwise",
+             "void at::native::reduce_kernel<128, 4, at::native::ReduceOp<c10::BFloat16": "reductions",
+             "something new": "other"}
+    assert {name: category(name) for name in names} == names
+    lines = tables("t", {"a": (10.0, {"nvjet_x": 3.0, "_attention_forward_kernel": 1.5, "nvjet_y": 1.0}),
+                         "b | c": (4.0, {})})
+    assert "| wall clock | 10.0 | 4.0 |" in lines and "| all kernels | 5.5 | 0.0 |" in lines
+    assert "| matrix multiplies | 4.00 | 0.00 |" in lines and "| attention | 1.50 | 0.00 |" in lines
+    assert "| `nvjet_x` | matrix multiplies | 3.00 |" in lines and not any("b | c, its" in line for line in lines)
