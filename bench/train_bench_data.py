@@ -58,7 +58,7 @@ def preprocess_text(path, out, tiny):
 
 
 def pinned(batch, device):
-    """Page-locked copies on a GPU run, as the trainer's DataLoader (pin_memory) hands them to get_batch."""
+    """Page-locked copies on a GPU run, as the trainer's data iterator (build_data_iterator) hands them to get_batch."""
     return {k: v.pin_memory() for k, v in batch.items()} if device.type == "cuda" else batch
 
 

@@ -111,8 +111,18 @@ def build_data_iterator(dataset, consumed_samples, cfg, device, state=None):
     dp_rank, dp_size = (state.dp_rank, state.dp) if state is not None else (0, 1)
     sampler = MicroBatchSampler(len(dataset), consumed_samples, cfg.micro_batch_size, dp_rank, dp_size)
     loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=cfg.num_workers or 0,
-                                         pin_memory=device.type == "cuda")
-    return iter(loader)
+                                         collate_fn=stack_samples)
+    pin = device.type == "cuda"  # page-locked host memory: the copies to the GPU can then run asynchronously
+    return ({key: torch.from_numpy(rows).pin_memory() if pin else torch.from_numpy(rows)
+             for key, rows in arrays.items()} for arrays in loader)
+
+
+def stack_samples(samples):
+    """A micro-batch as numpy arrays, {key: [b, ...]}, made in a DataLoader worker. Numpy arrays travel to
+    the main process pickled through the worker's pipe; torch tensors (the DataLoader's default) would each
+    travel through a shared-memory file, and at train-small's size that costs more than making the samples
+    (3.6 against 0.6 ms per micro-batch, chapter 8, section 4.13)."""
+    return {key: np.stack([sample[key] for sample in samples]) for key in samples[0]}
 
 
 def batch_flops(cpu_batch, cfg, is_pad):

@@ -233,6 +233,25 @@ def test_batch_flops_is_perf_md_formula():
     assert tokens == s + 10 and flops == pytest.approx(expected, rel=1e-12)
 
 
+def test_the_data_loader_gives_the_same_batches_with_workers(data):
+    """The worker processes hand their micro-batches over as numpy arrays (batches.stack_samples: cheaper
+    than a shared-memory file per tensor); the main process sees the same int64 tensors, in the same
+    order, as with no workers."""
+    cfg = Config(num_layers=1, hidden_size=32, num_attention_heads=4, seq_length=32, micro_batch_size=4,
+                 global_batch_size=8, train_iters=4, lr=1e-3, data_path=[data["prefix"]],
+                 vocab_file=data["vocab"], split="90,5,5", num_workers=0, eval_iters=1)
+    validate(cfg, device_type="cpu")
+    _, (train_ds, _, _) = build_datasets(cfg)
+    device = torch.device("cpu")
+    alone = build_data_iterator(train_ds, 8, cfg, device)
+    workers = build_data_iterator(train_ds, 8, Config(**{**vars(cfg), "num_workers": 2}), device)
+    for _ in range(6):
+        a, b = next(alone), next(workers)
+        assert list(a) == list(b) and "padding_mask" in a and a["text"].shape == (4, 32)
+        for key in a:
+            assert isinstance(b[key], torch.Tensor) and b[key].dtype == torch.int64 and torch.equal(a[key], b[key])
+
+
 def test_fp16_overflow_skips_the_update_and_the_lr_step(data, capsys):
     """Megatron's semantics at the trainer level: an overflowing fp16 step changes no weight, does not
     advance the LR schedule, is counted as skipped, and its loss is left out of the interval's mean.
