@@ -20,7 +20,9 @@ setup:
 	echo "ready: $$PY has what the chapters, the notebook and the tests need (the chapters call it python)"
 
 # train-small: chapter 2's 4-layer BERT on the default real-English corpus (GPU if present, else CPU).
-# On a GPU it trains in bf16 (what every GPU time in the chapters uses); on a CPU in fp32.
+# On a GPU it trains in bf16 (what every GPU time in the chapters uses), each micro-batch replayed as a
+# CUDA graph (--cuda-graph-impl local, chapter 8 section 4.13; TRAIN_SMALL_ARGS="--cuda-graph-impl none"
+# runs it eagerly); on a CPU in fp32.
 OUT := runs/train-small
 TRAIN_SMALL_ARGS ?=
 train-small:
@@ -30,8 +32,8 @@ train-small:
 	$$PY minibert/preprocess.py --input $(OUT)/corpus.txt --output-prefix $(OUT)/corpus \
 	    --vocab-file minibert/vocab/bert-base-uncased-vocab.txt --tokenizer-type BertWordPieceLowerCase \
 	    --split-sentences --workers 2; \
-	PRECISION=$$($$PY -c "import torch; print('--bf16' if torch.cuda.is_available() else '')"); \
-	$$PY minibert/train.py $$PRECISION \
+	ON_GPU=$$($$PY -c "import torch; print('--bf16 --cuda-graph-impl local' if torch.cuda.is_available() else '')"); \
+	$$PY minibert/train.py $$ON_GPU \
 	    --num-layers 4 --hidden-size 128 --num-attention-heads 8 --seq-length 128 \
 	    --max-position-embeddings 512 --micro-batch-size 4 --global-batch-size 16 --train-iters 200 \
 	    --lr 1e-4 --lr-decay-iters 100 --lr-warmup-fraction 0.1 --min-lr 1e-5 \
