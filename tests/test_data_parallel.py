@@ -45,11 +45,12 @@ def test_data_parallel_equals_one_process(tiny_data, tmp_path_factory, layout_re
     theirs = [line.split("| lm loss")[0] for line in launch.comparable_lines(layout_reference["stdout"])
               if line.startswith("iteration")]
     assert ours == theirs and len(ours) == 8
-    # ZeRO-1 divides the optimizer state (fp32 run: two Adam moments, 8 bytes a parameter) by DP; the
-    # buffers' alignment padding (under 64 elements per parameter) makes the shards differ by well under 1%
+    # ZeRO-1 divides the optimizer state (fp32 run: two Adam moments, 8 bytes a parameter) by DP. The shards
+    # are equal slices of buffers with alignment gaps (up to 63 elements after each parameter): in this
+    # ~105k-element model with 3000-element buckets the printing rank's share is 3.8% under 1/DP at DP 4
     one = optimizer_bytes(layout_reference["stdout"])
     expected = one / nproc if "zero1" in name else one
-    assert abs(optimizer_bytes(result.stdout) - expected) <= 0.01 * expected, (optimizer_bytes(result.stdout), one)
+    assert abs(optimizer_bytes(result.stdout) - expected) <= 0.05 * expected, (optimizer_bytes(result.stdout), one)
 
 
 def test_two_nodes_equal_one_process(tiny_data, tmp_path, layout_reference):
