@@ -11,6 +11,7 @@ two "eager timing" rows show one Python call each, overhead included.
     python bench/attention_bench.py            # the table (about 2 minutes, mostly compiling)
     python bench/attention_bench.py --sweep    # time every candidate tile per kernel; prints the best
     python bench/attention_bench.py --sweep --head-dims 64,128
+    python bench/attention_bench.py --sweep --dropout 0.1   # the tiles with attention dropout 0.1
 
 run() returns rows as bench/run.py wants them: {"name", "value", "unit", "notes"} (timings also carry "ms").
 """
@@ -178,8 +179,9 @@ def run(head_dims=(32, 80, 128)):
     return rows
 
 
-def sweep(head_dims=(64,)):
-    """Time every candidate tile of each kernel alone (lengths U[256,512]); print the best per kernel."""
+def sweep(head_dims=(64,), dropout_p=0.0):
+    """Time every candidate tile of each kernel alone (lengths U[256,512]); print the best per kernel. With
+    dropout_p > 0 every kernel draws the dropout mask (one seed)."""
     from minibert.kernels.flash_attention import (TILE_CANDIDATES, attention_forward, head_dim_block, pick_tiles,
                                                   prepare_padding)
     from minibert.kernels.flash_attention_bwd import launch_dkdv, launch_dq
@@ -189,20 +191,21 @@ def sweep(head_dims=(64,)):
         q, k, v, do, pad = make_inputs(d=d, lengths="mixed")
         bias, kv_len = prepare_padding(pad)
         scale = d ** -0.5
-        default_fwd, default_dq, default_dkdv = pick_tiles(d, q.dtype)
-        out, lse = attention_forward(q, k, v, bias, kv_len, scale, 0.0, 0, default_fwd)
+        default_fwd, default_dq, default_dkdv = pick_tiles(d, q.dtype, dropout_p > 0)
+        p, seed = dropout_p, 1234
+        out, lse = attention_forward(q, k, v, bias, kv_len, scale, p, seed, default_fwd)
         delta = torch.empty_like(lse)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        launch_dq(do, q, k, v, out, lse, delta, dq, bias, kv_len, scale, 0.0, 0, default_dq)
-        launch_dkdv(do, q, k, v, lse, delta, dk, dv, bias, kv_len, scale, 0.0, 0, default_dkdv)
+        launch_dq(do, q, k, v, out, lse, delta, dq, bias, kv_len, scale, p, seed, default_dq)
+        launch_dkdv(do, q, k, v, lse, delta, dk, dv, bias, kv_len, scale, p, seed, default_dkdv)
         o2 = torch.empty_like(out)                            # the sweep's forward writes here
         real = (~pad)[:, None, :, None]                       # compare real query (and key) rows only
         kernels = {  # name: (launch(tile), the tensors it writes, their values with the default tiles)
-            "forward": (lambda t: attention_forward(q, k, v, bias, kv_len, scale, 0.0, 0, t, out=o2),
+            "forward": (lambda t: attention_forward(q, k, v, bias, kv_len, scale, p, seed, t, out=o2),
                         [o2], [out.clone()]),
-            "dq": (lambda t: launch_dq(do, q, k, v, out, lse, delta, dq, bias, kv_len, scale, 0.0, 0, t),
+            "dq": (lambda t: launch_dq(do, q, k, v, out, lse, delta, dq, bias, kv_len, scale, p, seed, t),
                    [dq], [dq.clone()]),
-            "dkdv": (lambda t: launch_dkdv(do, q, k, v, lse, delta, dk, dv, bias, kv_len, scale, 0.0, 0, t),
+            "dkdv": (lambda t: launch_dkdv(do, q, k, v, lse, delta, dk, dv, bias, kv_len, scale, p, seed, t),
                      [dk, dv], [dk.clone(), dv.clone()]),
         }
         best = {}
@@ -226,7 +229,8 @@ def sweep(head_dims=(64,)):
                     results.append((ms, tile))
             best[kernel] = min(results)
         total = sum(ms for ms, _ in best.values())
-        print(f"d{d} best: " + ", ".join(f"{k}={tuple(t)} {ms * 1e3:.1f} us" for k, (ms, t) in best.items())
+        print(f"d{d} dropout {p} best: "
+              + ", ".join(f"{k}={tuple(t)} {ms * 1e3:.1f} us" for k, (ms, t) in best.items())
               + f"; the three kernels {total:.3f} ms = "
               f"{3.5 * forward_flops(B, H, S, d) / total / 1e9:.0f} TFLOP/s (FA convention, padding counted)")
         print(f"  -> put these first in TILE_CANDIDATES[{max(64, head_dim_block(d))}] in "
@@ -249,12 +253,13 @@ def print_table(rows):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sweep", action="store_true", help="time every candidate tile per kernel")
+    parser.add_argument("--dropout", type=float, default=0.0, help="attention dropout for --sweep")
     parser.add_argument("--head-dims", default=None,
                         help="comma-separated head dims (default: 64 for --sweep; 32,80,128 extra rows otherwise)")
     args = parser.parse_args(argv)
     dims = tuple(int(x) for x in args.head_dims.split(",")) if args.head_dims else None
     if args.sweep:
-        sweep(dims or (64,))
+        sweep(dims or (64,), args.dropout)
     else:
         print_table(run(dims if dims is not None else (32, 80, 128)))
 

@@ -11,7 +11,7 @@ import torch
 
 from minibert.errors import UsageError
 from minibert.kernels.dropout import dropout_mask, dropout_threshold, effective_dropout_p
-from minibert.kernels.flash_attention import (DROPOUT_FORWARD_TILES, FP32_TILES, TILE_CANDIDATES, attention_forward,
+from minibert.kernels.flash_attention import (DROPOUT_TILES, FP32_TILES, TILE_CANDIDATES, attention_forward,
                                               attention_reference, flash_attention, prepare_padding)
 from minibert.kernels.flash_attention_bwd import attention_backward
 from tests.conftest import run_without_interpreter
@@ -126,7 +126,7 @@ def gpu_tile_sets():
     per_kernel = []
     for kernel_index, name in enumerate(("forward", "dq", "dkdv")):
         tiles = [FP32_TILES[kernel_index]] + [t for c in TILE_CANDIDATES.values() for t in c[name]]
-        tiles += list(DROPOUT_FORWARD_TILES.values()) if name == "forward" else []
+        tiles += [by_kernel[name] for by_kernel in DROPOUT_TILES.values() if name in by_kernel]
         per_kernel.append(list({(t.block_m, t.block_n): t for t in tiles}.values()))
     rows = itertools.zip_longest(*per_kernel)
     return [tuple(t or FP32_TILES[i] for i, t in enumerate(row)) for row in rows]
