@@ -41,6 +41,7 @@ from torch.utils.checkpoint import checkpoint
 
 from minibert.attention import attention_qkv, reads_packed_rows, resolve_backend
 from minibert.init_weights import init_parameters  # noqa: F401 (BertModel's init; re-exported)
+from minibert.linear import Linear, linear
 from minibert.packing import gather_rows, scatter_rows
 
 BertOutput = namedtuple("BertOutput", ["lm_logits", "binary_logits", "hidden"])
@@ -109,8 +110,8 @@ class SelfAttention(nn.Module):
         super().__init__()
         h = config.hidden_size
         self.head_dim = h // config.num_attention_heads
-        self.query_key_value = nn.Linear(h, 3 * h)  # column-parallel under TP
-        self.dense = nn.Linear(h, h)  # row-parallel under TP; an "output projection" for the init
+        self.query_key_value = Linear(h, 3 * h)  # column-parallel under TP
+        self.dense = Linear(h, h)  # row-parallel under TP; an "output projection" for the init
         self.dropout = config.attention_dropout
         self.rng_context = contextlib.nullcontext
         self.recompute_core = config.recompute == "selective"  # keep q, k, v; redo softmax(qk^T)v in backward
@@ -152,8 +153,8 @@ class MLP(nn.Module):
 
     def __init__(self, config):
         super().__init__()
-        self.dense_h_to_4h = nn.Linear(config.hidden_size, config.ffn_size)  # column-parallel under TP
-        self.dense_4h_to_h = nn.Linear(config.ffn_size, config.hidden_size)  # row-parallel; output projection
+        self.dense_h_to_4h = Linear(config.hidden_size, config.ffn_size)  # column-parallel under TP
+        self.dense_4h_to_h = Linear(config.ffn_size, config.hidden_size)  # row-parallel; output projection
 
     def forward(self, x):
         return self.dense_4h_to_h(F.gelu(self.dense_h_to_4h(x)))
@@ -219,7 +220,7 @@ class TiedDecoder(nn.Module):
         self.vocab_size = vocab_size
 
     def forward(self, x, weight, bias):
-        logits = F.linear(x, weight, bias)  # [..., h] @ [h, padded vocab] -> [..., padded vocab]
+        logits = linear(x, weight, bias)  # [..., h] @ [h, padded vocab] -> [..., padded vocab]
         return logits[..., :self.vocab_size]  # the real vocab, a view: rows past it are padding
 
 
@@ -229,7 +230,7 @@ class LMHead(nn.Module):
     def __init__(self, config):
         super().__init__()
         h = config.hidden_size
-        self.dense = nn.Linear(h, h)
+        self.dense = Linear(h, h)
         self.layernorm = nn.LayerNorm(h, eps=config.layernorm_epsilon)
         self.bias = nn.Parameter(torch.zeros(config.padded_vocab_size))
         self.decoder = TiedDecoder(config.vocab_size)
@@ -303,8 +304,8 @@ class BertModel(nn.Module):
         if post_process:
             self.final_layernorm = None if config.post_ln else nn.LayerNorm(h, eps=eps)
             self.lm_head = LMHead(config)
-            self.pooler = nn.Linear(h, h) if config.binary_head else None
-            self.binary_head = nn.Linear(h, 2) if config.binary_head else None
+            self.pooler = Linear(h, h) if config.binary_head else None
+            self.binary_head = Linear(h, 2) if config.binary_head else None
         # swappable (vocab-parallel under TP)
         self.lm_cross_entropy = functools.partial(lm_cross_entropy, fused=config.cross_entropy_loss_fusion)
         # Where the layers' region starts and ends: identities here; sequence parallelism scatters the

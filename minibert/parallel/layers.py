@@ -26,6 +26,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from minibert.linear import linear
 from minibert.parallel.mappings import (_gather_seq, _rank, _reduce_scatter_seq, _size,
                                         copy_to_tensor_parallel_region, gather_from_tensor_parallel_region,
                                         reduce_from_tensor_parallel_region,
@@ -80,7 +81,7 @@ class ColumnParallelLinear(nn.Module):
         if self.sequence_parallel and self.group is not None:
             y = _LinearWithSequenceGather.apply(x, self.weight, self.bias, self.group)
         else:
-            y = F.linear(copy_to_tensor_parallel_region(x, self.group), self.weight, self.bias)  # f, then X A_r
+            y = linear(copy_to_tensor_parallel_region(x, self.group), self.weight, self.bias)  # f, then X A_r
         if self.gather_output:
             y = gather_from_tensor_parallel_region(y, self.group)
         return y
@@ -150,7 +151,7 @@ class VocabParallelDecoder(nn.Module):
         self.group = group
 
     def forward(self, x, weight, bias):
-        return F.linear(copy_to_tensor_parallel_region(x, self.group), weight, bias)
+        return linear(copy_to_tensor_parallel_region(x, self.group), weight, bias)
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):

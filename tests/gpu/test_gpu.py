@@ -39,6 +39,27 @@ def test_flash_attention_against_fp32_reference(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+def test_linear_written_out_backward_equals_autograd(dtype):
+    """minibert.linear on CUDA in 16-bit (bias gradient as a GEMV) against F.linear's autograd, at a
+    BERT-large MLP shape."""
+    import torch.nn.functional as F
+
+    from minibert.linear import linear, written_out_backward
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x, w, b, dy = (torch.randn(*shape, device="cuda", generator=g, dtype=dtype)
+                   for shape in ((8, 512, 1024), (4096, 1024), (4096,), (8, 512, 4096)))
+    assert written_out_backward(x, w)
+    results = []
+    for fn in (linear, F.linear):
+        leaves = [t.clone().requires_grad_() for t in (x, w, b)]
+        y = fn(*leaves)
+        y.backward(dy)
+        results.append([y.detach()] + [t.grad for t in leaves])
+    for ours, theirs in zip(*results):
+        assert rel(ours, theirs) < 1e-2
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
 def test_packed_qkv_flash_equals_plain_flash(dtype):
     from minibert.kernels.flash_attention import flash_attention
     from minibert.kernels.flash_attention_packed import flash_attention_qkv
