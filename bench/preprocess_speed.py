@@ -3,6 +3,7 @@ encode_batch at the same parallelism, on the same text, on this machine.
 
     python bench/preprocess_speed.py [--workers 1 2] [--repeats 3] [--copies 20] [--corpus FILE]
     python bench/preprocess_speed.py --workers 1 2 4 8 --copies 100     # a 16-core machine
+    python bench/preprocess_speed.py --workers 1 2 4 8 --sequential     # the work alone, any machine
 
 What is timed, best of --repeats, on the default corpus (minibert.corpus, real English, 1.1 MB)
 written --copies times over (20: 22 MB), or on --corpus FILE:
@@ -19,7 +20,13 @@ more run, the CPU seconds of the main process and of the workers: the main proce
 would limit the speed-up on more cores (it must stay small), and it can be read on a busy machine, where
 wall times cannot. With a copied
 corpus every worker meets the same words, so each warms its own word cache: a cost a real corpus pays
-too (its frequent words), counted here."""
+too (its frequent words), counted here.
+
+--sequential separates that extra work from slower work: the corpus's chunks are dealt round-robin to N
+fresh encoders (each with its own tokenizer caches, as N workers have) that run one after another in
+this one process, and the CPU seconds of all N together are printed. Against the workers' CPU seconds of
+a parallel run at the same N, the difference is what running side by side costs (shared cores, caches,
+clock), not what the caches cost."""
 import argparse
 import json
 import os
@@ -33,6 +40,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from minibert import preprocess as preprocessing  # noqa: E402
+from minibert.indexed_dataset import best_dtype  # noqa: E402
 from minibert.preprocess import preprocess  # noqa: E402
 from minibert.tokenizer import DEFAULT_VOCAB_FILE, build_tokenizer  # noqa: E402
 
@@ -136,6 +145,31 @@ def run(workers=(1, 2), repeats=3, corpus=None, copies=20):
     return rows
 
 
+def sequential_rows(workers, corpus=None, copies=20, split_sentences=False):
+    """CPU seconds to encode the corpus with its chunks dealt to N fresh encoders, run one after another."""
+    with tempfile.TemporaryDirectory() as tmp:
+        corpus = corpus or write_corpus(os.path.join(tmp, "corpus.txt"), copies)
+        chunks = list(preprocessing._chunks(corpus))
+        rows = []
+        for n in workers:
+            encoders = []
+            for _ in range(n):
+                tokenizer = build_tokenizer("BertWordPieceLowerCase")  # fresh caches, as a worker's
+                encoders.append(preprocessing.DocumentEncoder(tokenizer, ("text",), False, split_sentences,
+                                                              best_dtype(tokenizer.vocab_size), corpus))
+            cpu = [0.0] * n
+            for i, chunk in enumerate(chunks):
+                start = time.process_time()
+                encoders[i % n](chunk)
+                cpu[i % n] += time.process_time() - start
+            rows.append(dict(name=f"the work of {n} encoder{'s' if n > 1 else ''}, one after another"
+                                  f"{', --split-sentences' if split_sentences else ''}",
+                             value=sum(cpu), unit="CPU s",
+                             notes=f"{len(chunks)} chunks round-robin; per encoder {min(cpu):.2f}-{max(cpu):.2f} s"))
+            print(f"  {rows[-1]['name']}: {sum(cpu):.2f} CPU s ({rows[-1]['notes']})", flush=True)
+    return rows
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="worker counts to time "
@@ -144,14 +178,19 @@ def main():
     parser.add_argument("--copies", type=int, default=20, help="the default corpus, this many times over")
     parser.add_argument("--corpus", default=None, help="a plain-text file, one document a line "
                         "(instead of the copied default corpus)")
+    parser.add_argument("--sequential", action="store_true", help="instead: the CPU seconds of N fresh "
+                        "encoders run one after another (what the word caches cost, without contention)")
     args = parser.parse_args()
-    rows = run(args.workers, args.repeats, args.corpus, args.copies)
+    if args.sequential:
+        rows = [r for split in (False, True) for r in sequential_rows(args.workers, args.corpus, args.copies, split)]
+    else:
+        rows = run(args.workers, args.repeats, args.corpus, args.copies)
     print(f"\n{platform.processor() or platform.machine()}, {os.cpu_count()} cores, Python "
           f"{platform.python_version()}; {time.strftime('%Y-%m-%d')}; command: python bench/preprocess_speed.py "
           f"{' '.join(sys.argv[1:])}".rstrip())
     print("| measurement | value | notes |\n|---|---|---|")
     for row in rows:
-        value = f"{row['value']:,.0f}" if row["unit"] == "docs/s" else f"{row['value']:.2f}"
+        value = f"{row['value']:,.0f}" if row["unit"] == "docs/s" else f"{row['value']:.2f}"  # s, CPU s
         print(f"| {row['name']} | {value} {row['unit']} | {row['notes']} |")
 
 
