@@ -63,10 +63,11 @@ def graph_inputs(batch) -> dict:
     return inputs
 
 
-def shape_key(batch, num_micro_batches):
+def shape_key(batch, num_micro_batches, inputs=None):
     """What a graph is recorded for: every input's name, shape and dtype, and the 1 / n its loss is
-    scaled by."""
-    return tuple((k, tuple(t.shape), t.dtype) for k, t in graph_inputs(batch).items()) + (num_micro_batches,)
+    scaled by. inputs: graph_inputs(batch), if the caller has it already."""
+    inputs = graph_inputs(batch) if inputs is None else inputs
+    return tuple((k, tuple(t.shape), t.dtype) for k, t in inputs.items()) + (num_micro_batches,)
 
 
 class CapturedMicroBatch:
@@ -99,9 +100,10 @@ class CapturedMicroBatch:
             if collecting:
                 gc.enable()
 
-    def replay(self, batch):
-        """-> (loss, metrics) of this micro-batch, as forward_step's (losses are fresh device tensors)."""
-        for name, tensor in graph_inputs(batch).items():
+    def replay(self, batch, inputs=None):
+        """-> (loss, metrics) of this micro-batch, as forward_step's (losses are fresh device tensors).
+        inputs: graph_inputs(batch), if the caller has it already."""
+        for name, tensor in (graph_inputs(batch) if inputs is None else inputs).items():
             self.static[name].copy_(tensor, non_blocking=True)
         self.graph.replay()
         losses = self.losses.clone()  # the next replay overwrites self.losses (and may reuse its memory)
@@ -163,11 +165,12 @@ def forward_backward_captured(forward_step, batches, model, optimizer):
         _graphs[model] = graphs = ModelGraphs()  # fp16: the scale changed, and every graph holds the old one
     results = []
     for batch in batches:
-        key = shape_key(batch, len(batches))
+        inputs = graph_inputs(batch)  # once per micro-batch: the key and the copies both read it
+        key = shape_key(batch, len(batches), inputs)
         if key not in graphs.by_shape:
             graphs.by_shape[key] = CapturedMicroBatch(forward_step, model, optimizer, len(batches), batch,
                                                       graphs.pool)
-        results.append(graphs.by_shape[key].replay(batch))
+        results.append(graphs.by_shape[key].replay(batch, inputs))
     return results
 
 

@@ -65,14 +65,15 @@ all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tens
 ALIGN = 64
 
 
-def aligned(offset):
-    return math.ceil(offset / ALIGN) * ALIGN
+def aligned(offset, multiple=ALIGN):
+    """offset rounded up to a multiple of `multiple` (ALIGN elements by default)."""
+    return math.ceil(offset / multiple) * multiple
 
 
 class Bucket:
     """A run of parameters whose gradients (fp32) and values (model dtype) share two flat buffers, each
-    parameter starting at a multiple of ALIGN elements, the whole padded to a multiple of `shards`
-    elements so that DP ranks own equal shards."""
+    parameter starting at a multiple of ALIGN elements, the whole padded to a multiple of `shards` x ALIGN
+    elements so that DP ranks own equal shards, each starting aligned too."""
 
     def __init__(self, named_params, shards: int, shard_index: int):
         self.names = [n for n, _ in named_params]
@@ -80,7 +81,7 @@ class Bucket:
         starts = [0]
         for p in self.params:
             starts.append(aligned(starts[-1] + p.numel()))
-        padded = math.ceil(starts[-1] / (shards * ALIGN)) * shards * ALIGN  # the shards start aligned too
+        padded = aligned(starts[-1], shards * ALIGN)  # the shards start aligned too
         first = self.params[0]
         self.param_data = torch.zeros(padded, dtype=first.dtype, device=first.device)
         self.grad_data = torch.zeros(padded, dtype=torch.float32, device=first.device)
