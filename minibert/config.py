@@ -95,6 +95,10 @@ class Config:
                                        "(default: max(40M, 1M x DP), as Megatron)")
     overlap_grad_reduce: bool = _flag(False, "all-reduce each bucket during the last micro-batch's backward, "
                                              "as soon as its gradients are ready")
+    gradient_accumulation_fusion: bool = _flag(
+        False, "the weight-gradient matmul adds into the fp32 main grad itself (no 16-bit .grad, no add "
+               "pass; minibert/linear.py). Megatron's default is on; here off until timed in a whole step",
+        action=argparse.BooleanOptionalAction)
     data_parallel_size: int = field(default=1, metadata=dict(help=None))  # world / (TP x PP), set by validate
     # ---- batch and schedule ----
     micro_batch_size: int = _flag(None, "samples per forward/backward on one GPU")
@@ -369,6 +373,9 @@ def _validate_cuda_graph(cfg: Config, device_type: str, warn):
     if cfg.recompute is not None:
         raise UsageError("--cuda-graph-impl local cannot capture activation recompute (it saves and restores "
                          "random-generator states on the host): drop --recompute-* or the graph")
+    if cfg.gradient_accumulation_fusion:
+        raise UsageError("--cuda-graph-impl local with --gradient-accumulation-fusion has not been run on a GPU "
+                         "yet (the graph's warm-up would add into the main grads): drop one of the two flags")
     if cfg.sparse_mlm:
         raise UsageError("--cuda-graph-impl local needs fixed shapes and --sparse-mlm sends a different number "
                          "of rows through the LM head in every micro-batch: drop one of the two flags")

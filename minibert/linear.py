@@ -13,10 +13,53 @@ Per BERT-large step (4 biases in each of 24 layers) that is about 3.4 ms against
 
 The product with ones runs where the fused kernels do (fused_kernels_apply: CUDA, fp16/bf16, and no
 autocast, which a custom autograd Function would have to handle): everywhere else, the CPU included,
-`linear` is plain F.linear, and tests/test_linear.py checks that the two give the same gradients."""
+`linear` is plain F.linear, and tests/test_linear.py checks that the two give the same gradients.
+
+Gradient-accumulation fusion (--gradient-accumulation-fusion, Megatron's flag; off by default here until
+it has been timed in a whole step). The trainer keeps each parameter's gradient in an fp32 `main_grad`
+(minibert/parallel/data_parallel.py), and after every micro-batch adds the 16-bit `.grad` autograd made
+into it: a pass over every parameter, 2.16 ms per BERT-large step on the H200. With the fusion the weight
+gradient's matmul adds its product into `main_grad` itself, in fp32 (`accumulate_weight_grad`), and
+returns no `.grad` at all; timed alone it ran as fast as the plain bf16 matmul. The data-parallel buffers
+switch it on per parameter (`weight.main_grad_added`, the callback that also counts the gradient as
+arrived for --overlap-grad-reduce); a weight used twice in one step, the tied word embedding, is never
+fused (`fuse_weight_grad=False`: its two gradients would be counted twice). Where a weight is marked,
+`linear` takes LinearFunction on any device, the CPU included, so the CPU tests run this path too."""
+import contextlib
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+
+_fusion_paused = False  # set by pause_weight_grad_fusion()
+
+
+@contextlib.contextmanager
+def pause_weight_grad_fusion():
+    """Inside: every weight gradient goes to `.grad` (the CUDA-graph warm-up, whose gradients are dropped,
+    must not add into the main grads)."""
+    global _fusion_paused
+    _fusion_paused, before = True, _fusion_paused
+    try:
+        yield
+    finally:
+        _fusion_paused = before
+
+
+def fuses_weight_grad(weight) -> bool:
+    """Does LinearFunction add this weight's gradient into its main_grad (see the module's docstring)?"""
+    return not _fusion_paused and getattr(weight, "main_grad_added", None) is not None
+
+
+def accumulate_weight_grad(main_grad, grad_2d, x_2d):
+    """main_grad += grad_2d^T x_2d in main_grad's dtype (fp32): the 16-bit product is never stored."""
+    if main_grad.dtype == grad_2d.dtype:
+        main_grad.addmm_(grad_2d.t(), x_2d)
+    elif main_grad.is_cuda:  # bf16/fp16 inputs, fp32 accumulator and output: one cuBLAS call, in place
+        torch.addmm(main_grad, grad_2d.t(), x_2d, out_dtype=main_grad.dtype, out=main_grad)
+    else:                    # the CPU has no mixed-dtype addmm
+        main_grad.add_(grad_2d.t().matmul(x_2d))
 
 
 def bias_grad(grad_2d):
@@ -25,12 +68,13 @@ def bias_grad(grad_2d):
 
 
 class LinearFunction(torch.autograd.Function):
-    """F.linear, with the backward above. Saves x and W, as autograd's F.linear does."""
+    """F.linear, with the backward above. Saves x and W, as autograd's F.linear does. fuse: may the weight
+    gradient go straight into weight.main_grad (where the weight is marked for it)?"""
 
     @staticmethod
-    def forward(ctx, x, weight, bias):
+    def forward(ctx, x, weight, bias, fuse=False):
         ctx.save_for_backward(x, weight)
-        ctx.has_bias = bias is not None
+        ctx.has_bias, ctx.fuse = bias is not None, fuse
         return F.linear(x, weight, bias)  # the bias is added in the matmul's epilogue
 
     @staticmethod
@@ -38,9 +82,16 @@ class LinearFunction(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         grad_2d = grad.reshape(-1, grad.shape[-1])  # [rows, out]
         grad_x = grad.matmul(weight) if ctx.needs_input_grad[0] else None
-        grad_w = grad_2d.t().matmul(x.reshape(-1, x.shape[-1])) if ctx.needs_input_grad[1] else None
+        grad_w = None
+        if ctx.needs_input_grad[1]:
+            x_2d = x.reshape(-1, x.shape[-1])
+            if ctx.fuse and fuses_weight_grad(weight):
+                accumulate_weight_grad(weight.main_grad, grad_2d, x_2d)
+                weight.main_grad_added(weight)   # no .grad: the buffers count this gradient as arrived
+            else:
+                grad_w = grad_2d.t().matmul(x_2d)
         grad_b = bias_grad(grad_2d) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return grad_x, grad_w, grad_b
+        return grad_x, grad_w, grad_b, None
 
 
 def written_out_backward(x, weight) -> bool:
@@ -49,10 +100,12 @@ def written_out_backward(x, weight) -> bool:
             and not torch.is_autocast_enabled("cuda"))
 
 
-def linear(x, weight, bias=None):
-    """y = x W^T + b, as F.linear; on the GPU in 16-bit its bias gradient is a GEMV (see above)."""
-    if written_out_backward(x, weight):
-        return LinearFunction.apply(x, weight, bias)
+def linear(x, weight, bias=None, fuse_weight_grad=True):
+    """y = x W^T + b, as F.linear; on the GPU in 16-bit its bias gradient is a GEMV, and where the weight
+    is marked (and fuse_weight_grad) its gradient goes into its main_grad (see above)."""
+    fuse = fuse_weight_grad and fuses_weight_grad(weight)
+    if fuse or written_out_backward(x, weight):
+        return LinearFunction.apply(x, weight, bias, fuse)
     return F.linear(x, weight, bias)
 
 

@@ -220,7 +220,9 @@ class TiedDecoder(nn.Module):
         self.vocab_size = vocab_size
 
     def forward(self, x, weight, bias):
-        logits = linear(x, weight, bias)  # [..., h] @ [h, padded vocab] -> [..., padded vocab]
+        # [..., h] @ [h, padded vocab] -> [..., padded vocab]; the tied table also gets the embedding's
+        # gradient, so its gradient is not fused into main_grad (minibert/linear.py)
+        logits = linear(x, weight, bias, fuse_weight_grad=False)
         return logits[..., :self.vocab_size]  # the real vocab, a view: rows past it are padding
 
 

@@ -265,7 +265,9 @@ def build_optimizer(model_chunks, cfg, state: ParallelState = None, shared_embed
     separate = ("embedding.word_embeddings.weight",) if state.pp > 1 else ()  # ZeRO shards align across stages
     grads = [DataParallelGrads(chunk, state, bucket_size=cfg.ddp_bucket_size,
                                distributed_optimizer=cfg.use_distributed_optimizer,
-                               overlap=cfg.overlap_grad_reduce, separate=separate) for chunk in chunks]
+                               overlap=cfg.overlap_grad_reduce, separate=separate,
+                               gradient_accumulation_fusion=cfg.gradient_accumulation_fusion)
+             for chunk in chunks]
     scaler = None
     if cfg.fp16:
         scaler = DynamicLossScaler(cfg.initial_loss_scale, cfg.min_loss_scale,

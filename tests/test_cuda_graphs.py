@@ -127,6 +127,7 @@ def test_the_layout_a_graph_replays_equals_the_padded_twin(tiny_data, backend):
     ({"pipeline_model_parallel_size": 2}, 2, "--pipeline-model-parallel-size 1"),
     ({"recompute_activations": True}, 1, "drop --recompute-*"),
     ({"sparse_mlm": True}, 1, "--sparse-mlm"),
+    ({"gradient_accumulation_fusion": True}, 1, "--gradient-accumulation-fusion"),
     ({"cuda_graph_impl": "transformer_engine"}, 1, "pass --cuda-graph-impl local"),
 ])
 def test_what_the_flag_refuses_names_the_fix(overrides, world, named):

@@ -1,6 +1,6 @@
 """Data parallelism through `torchrun ... minibert/train.py`, as a user runs it (gloo, one thread per
-process): DP = 2 and 4, with and without ZeRO-1 and overlap, on one node and on two "nodes" of this
-machine, give the single-process run's losses and grad norms (relative 1e-5, read from TensorBoard);
+process): DP = 2 and 4, with and without ZeRO-1 and overlap (DP 2 with ZeRO-1 also with the gradient-
+accumulation fusion), on one node and on two "nodes" of this machine, give the single-process run's losses and grad norms (relative 1e-5, read from TensorBoard);
 a stopped and resumed DP=2 run logs the unbroken run's lines; a ZeRO-1 checkpoint resumes at another
 data-parallel size; a bad layout exits 2 on every rank before any collective."""
 import os
@@ -29,7 +29,8 @@ def optimizer_bytes(stdout) -> int:
 LAYOUTS = {  # name -> (processes, flags)
     "dp2": (2, []),
     "dp4": (4, []),
-    "dp2-zero1": (2, ["--use-distributed-optimizer", "--overlap-grad-reduce", "--ddp-bucket-size", 3000]),
+    "dp2-zero1": (2, ["--use-distributed-optimizer", "--overlap-grad-reduce", "--ddp-bucket-size", 3000,
+                      "--gradient-accumulation-fusion"]),  # weight grads counted by LinearFunction's callback
     "dp4-zero1": (4, ["--use-distributed-optimizer", "--overlap-grad-reduce", "--ddp-bucket-size", 3000]),
 }
 

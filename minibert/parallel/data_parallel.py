@@ -107,7 +107,7 @@ class DataParallelGrads:
     gather_params() after its update."""
 
     def __init__(self, model, state, *, bucket_size=None, distributed_optimizer=False, overlap=False,
-                 separate=()):
+                 separate=(), gradient_accumulation_fusion=False):
         self.group = state.group("data")
         self.dp = state.dp
         self.distributed_optimizer = distributed_optimizer
@@ -133,13 +133,24 @@ class DataParallelGrads:
         if self.overlap:  # only then must a gradient be seen the moment it is ready
             for p in self.params:
                 p.register_post_accumulate_grad_hook(self._ready)
+        for p in self.params:  # minibert/linear.py adds these weights' gradients into main_grad itself
+            p.main_grad_added = self._main_grad_added if gradient_accumulation_fusion else None
 
     def _ready(self, param):
         """--overlap-grad-reduce, last micro-batch: autograd has just made this parameter's gradient."""
-        if not self.sync_now:
-            return  # accumulate() adds it after the backward
+        if not self.sync_now or param.grad is None:
+            return  # accumulate() adds it after the backward; None: fused, counted by _main_grad_added
         param.main_grad.add_(param.grad)  # fp32 += 16-bit (or fp32)
         param.grad = None
+        self._arrived(param)
+
+    def _main_grad_added(self, param):
+        """--gradient-accumulation-fusion: LinearFunction added this weight's gradient into main_grad."""
+        if self.sync_now:
+            self._arrived(param)
+
+    def _arrived(self, param):
+        """The last micro-batch's gradient of `param` is in main_grad: start its bucket once all are."""
         bucket = self.bucket_of[id(param)]
         bucket.waiting -= 1
         if bucket.waiting == 0:  # every gradient of this bucket is final: send it now

@@ -151,7 +151,8 @@ class VocabParallelDecoder(nn.Module):
         self.group = group
 
     def forward(self, x, weight, bias):
-        return linear(copy_to_tensor_parallel_region(x, self.group), weight, bias)
+        x = copy_to_tensor_parallel_region(x, self.group)
+        return linear(x, weight, bias, fuse_weight_grad=False)  # tied to the embedding: not fused
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):

@@ -60,6 +60,39 @@ def test_linear_written_out_backward_equals_autograd(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+def test_gradient_accumulation_fusion_equals_the_plain_main_grads(dtype):
+    """--gradient-accumulation-fusion on CUDA in 16-bit (torch.addmm with out_dtype=float32 into the fp32
+    main grad) against the plain .grad + multi-tensor add, over two micro-batches of a small BertModel."""
+    from minibert.config import Config, validate
+    from minibert.linear import Linear
+    from minibert.model import BertModel
+    from minibert.optim import build_optimizer
+    main_grads = []
+    for fusion in (False, True):
+        cfg = validate(Config(num_layers=2, hidden_size=256, num_attention_heads=4, seq_length=128,
+                              max_position_embeddings=128, micro_batch_size=8, global_batch_size=16,
+                              train_iters=1, lr=1e-3, hidden_dropout=0.0, attention_dropout=0.0,
+                              bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
+                              gradient_accumulation_fusion=fusion), device_type="cuda", warn=None)
+        torch.manual_seed(0)
+        model = BertModel(cfg).to(device="cuda", dtype=dtype)
+        optimizer = build_optimizer(model, cfg)
+        optimizer.zero_grad()
+        g = torch.Generator(device="cuda").manual_seed(3)
+        for _ in range(2):
+            text = torch.randint(0, cfg.padded_vocab_size, (8, 128), generator=g, device="cuda")
+            out = model(text, torch.zeros_like(text), padding_mask=torch.zeros_like(text, dtype=torch.bool))
+            (out.lm_logits.float().pow(2).mean() + out.binary_logits.float().sum()).backward()
+            fused_weights_without_grad = all(m.weight.grad is None for m in model.modules() if isinstance(m, Linear))
+            assert fused_weights_without_grad == fusion
+            for buffers in optimizer.grads:
+                buffers.accumulate()
+        main_grads.append({n: p.main_grad.clone() for n, p in model.named_parameters()})
+    for name, plain in main_grads[0].items():
+        assert rel(main_grads[1][name], plain) < 1e-2, name
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
 def test_packed_qkv_flash_equals_plain_flash(dtype):
     from minibert.kernels.flash_attention import flash_attention
     from minibert.kernels.flash_attention_packed import flash_attention_qkv
