@@ -28,7 +28,8 @@ Sections (--sections picks them):
        samples of the default corpus: ms per train_step, fp32 and bf16, eager and, on a GPU, with
        --cuda-graph-impl local (each micro-batch one CUDA graph replay)
     5  the fused kernels' gains: sections 1 and 3's minibert with --no-bias-dropout-fusion, with
-       --no-cross-entropy-loss-fusion and with both (skipped on the CPU, where the plain ops always run)
+       --no-cross-entropy-loss-fusion and with both, and with --gradient-accumulation-fusion (off by
+       default) turned on (skipped on the CPU, where the plain ops always run)
 
 Model FLOPs (docs/measuring.md): F = 72 l h^2 + 12 l s h + 6 r (h V + h^2) per token, r = 1, V = the padded vocab,
 with padding only real tokens count and sum(L_i^2) replaces s^2 (minibert.training_log.model_flops: the
@@ -438,6 +439,9 @@ LEVERS = {  # contender -> the flags it turns off
     "minibert --no-cross-entropy-loss-fusion": {"cross_entropy_loss_fusion": False},
     "minibert, both off (the plain twins)": {"bias_dropout_fusion": False, "cross_entropy_loss_fusion": False},
 }
+LEVERS_ON = {  # contender -> the flags it turns on (levers that are off by default until measured)
+    "minibert --gradient-accumulation-fusion": {"gradient_accumulation_fusion": True},
+}
 
 
 def section_5(settings):
@@ -453,8 +457,8 @@ def section_5(settings):
         prefix, _ = corpus_prefix("default", settings)
         batches = stream_batches(prefix, batches_needed(cfg, settings), micro, seq, settings.device)
         speed = {}
-        for lever, off in LEVERS.items():
-            result = measure("minibert", Config(**{**vars(cfg), **off}), batches, settings)
+        for lever, flags in {**LEVERS, **LEVERS_ON}.items():
+            result = measure("minibert", Config(**{**vars(cfg), **flags}), batches, settings)
             speed[lever] = result.samples / result.seconds
             ms = 1e3 * result.seconds / result.steps
             rows += print_rows([row(f"{label}: {lever}, seq/s", speed[lever], "seq/s",
@@ -464,6 +468,9 @@ def section_5(settings):
         for lever in list(LEVERS)[1:]:
             rows += print_rows([row(f"{label}: all fusions / {lever.replace('minibert ', '')}", full / speed[lever],
                                     "x", "seq/s ratio: the gain of what that contender turns off")])
+        for lever in LEVERS_ON:
+            rows += print_rows([row(f"{label}: {lever.replace('minibert ', '')} / all fusions", speed[lever] / full,
+                                    "x", "seq/s ratio: the gain of what that contender turns on")])
     return rows
 
 
