@@ -185,6 +185,7 @@ CONTENDERS = {  # name -> (build(cfg, batches, device) -> step, config overrides
     "minibert packed": (minibert_stepper, {}),
     "minibert padded": (minibert_stepper, {"pack_tokens": False}),
     "minibert, CUDA graphs": (minibert_stepper, {"cuda_graph_impl": "local"}),
+    "minibert --gradient-accumulation-fusion": (minibert_stepper, {"gradient_accumulation_fusion": True}),
     "minibert packed, CUDA graphs": (minibert_stepper, {"cuda_graph_impl": "local"}),
     "HF eager": (hf_stepper, {}),
     "HF compiled": (lambda cfg, batches, device: hf_stepper(cfg, batches, device, compiled=True), {}),
