@@ -9,8 +9,8 @@ indexing, compiled Triton kernels) and the table gives ms per step for each, nex
     python bench/profile_steps.py --work-dir /tmp/prof --output profile_steps.md [--only base]
 
 Cases: "large" (BERT-large s512 b32, full length) and "base" (BERT-base s128 b256, full length), each
-for minibert, minibert with --gradient-accumulation-fusion, minibert with CUDA graphs, HF eager and HF
-compiled; and "default" (BERT-large s512 b32 on
+for minibert, minibert with --gradient-accumulation-fusion --bias-gelu-fusion (off by default), minibert
+with CUDA graphs, HF eager and HF compiled; and "default" (BERT-large s512 b32 on
 Megatron's samples of the default corpus: minibert packed, and with CUDA graphs). A graphed contender
 gives its wall clock only, which shows the host's share next to the eager one's; the profiler's view of
 a graph replay is left out. The
@@ -127,7 +127,7 @@ def main():
             _, _, _, seq, micro = train_bench.shape(case, settings)
             batches = stream_batches(prefix, 9, micro, seq, settings.device)
             results = {c: profile(c, cfg, batches)
-                       for c in ("minibert", "minibert --gradient-accumulation-fusion", "minibert, CUDA graphs",
+                       for c in ("minibert", "minibert, levers off by default on", "minibert, CUDA graphs",
                                  "HF eager", "HF compiled")}
             lines += tables(f"{train_bench.model_label(case, settings)}, full-length batches, bf16", results)
     if args.only in (None, "default"):

@@ -28,8 +28,8 @@ Sections (--sections picks them):
        samples of the default corpus: ms per train_step, fp32 and bf16, eager and, on a GPU, with
        --cuda-graph-impl local (each micro-batch one CUDA graph replay)
     5  the fused kernels' gains: sections 1 and 3's minibert with --no-bias-dropout-fusion, with
-       --no-cross-entropy-loss-fusion and with both, and with --gradient-accumulation-fusion (off by
-       default) turned on (skipped on the CPU, where the plain ops always run)
+       --no-cross-entropy-loss-fusion and with both, and with --gradient-accumulation-fusion and
+       --bias-gelu-fusion (off by default) each turned on (skipped on the CPU, where the plain ops run)
 
 Model FLOPs (docs/measuring.md): F = 72 l h^2 + 12 l s h + 6 r (h V + h^2) per token, r = 1, V = the padded vocab,
 with padding only real tokens count and sum(L_i^2) replaces s^2 (minibert.training_log.model_flops: the
@@ -185,7 +185,8 @@ CONTENDERS = {  # name -> (build(cfg, batches, device) -> step, config overrides
     "minibert packed": (minibert_stepper, {}),
     "minibert padded": (minibert_stepper, {"pack_tokens": False}),
     "minibert, CUDA graphs": (minibert_stepper, {"cuda_graph_impl": "local"}),
-    "minibert --gradient-accumulation-fusion": (minibert_stepper, {"gradient_accumulation_fusion": True}),
+    "minibert, levers off by default on": (minibert_stepper, {"gradient_accumulation_fusion": True,
+                                                               "bias_gelu_fusion": True}),
     "minibert packed, CUDA graphs": (minibert_stepper, {"cuda_graph_impl": "local"}),
     "HF eager": (hf_stepper, {}),
     "HF compiled": (lambda cfg, batches, device: hf_stepper(cfg, batches, device, compiled=True), {}),
@@ -442,6 +443,7 @@ LEVERS = {  # contender -> the flags it turns off
 }
 LEVERS_ON = {  # contender -> the flags it turns on (levers that are off by default until measured)
     "minibert --gradient-accumulation-fusion": {"gradient_accumulation_fusion": True},
+    "minibert --bias-gelu-fusion": {"bias_gelu_fusion": True},
 }
 
 

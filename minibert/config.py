@@ -52,6 +52,10 @@ class Config:
                                             "(minibert.kernels.layer_norm; Megatron's flag name, the bias stays "
                                             "in the matmul); off: the plain ops",
                                       action=argparse.BooleanOptionalAction)
+    bias_gelu_fusion: bool = _flag(False, "on a GPU in fp16/bf16: the MLP's bias add and GeLU in one Triton kernel "
+                                          "whose backward also sums the bias gradient (minibert.kernels.bias_gelu; "
+                                          "Megatron's flag, there on by default; here off until timed on a GPU)",
+                                   action=argparse.BooleanOptionalAction)
     cross_entropy_loss_fusion: bool = _flag(True, "on a GPU in fp16/bf16: the LM loss in one Triton kernel that "
                                                   "reads the logits once (minibert.kernels.cross_entropy; "
                                                   "Megatron's flag, there off by default); off: fp32 cast + "

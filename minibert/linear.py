@@ -114,3 +114,7 @@ class Linear(nn.Linear):
 
     def forward(self, x):
         return linear(x, self.weight, self.bias)
+
+    def forward_without_bias(self, x):
+        """x W^T: Megatron's skip_bias_add, for a caller that adds the bias in a fused kernel."""
+        return linear(x, self.weight)

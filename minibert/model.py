@@ -149,14 +149,23 @@ class SelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    """[b, s, h] -> [b, s, h]: dense h -> ffn, GeLU (the exact erf form), dense ffn -> h."""
+    """[b, s, h] -> [b, s, h]: dense h -> ffn, GeLU (the exact erf form), dense ffn -> h.
+
+    With --bias-gelu-fusion on a GPU in fp16/bf16 the first dense leaves its bias out (Megatron's
+    skip_bias_add) and one Triton kernel adds it and applies the GeLU; its backward also sums the bias
+    gradient (minibert.kernels.bias_gelu). Everywhere else: the plain ops, its twin."""
 
     def __init__(self, config):
         super().__init__()
         self.dense_h_to_4h = Linear(config.hidden_size, config.ffn_size)  # column-parallel under TP
         self.dense_4h_to_h = Linear(config.ffn_size, config.hidden_size)  # row-parallel; output projection
+        self.fused = config.bias_gelu_fusion
 
     def forward(self, x):
+        if self.fused and fused_kernels_apply(x):
+            from minibert.kernels.bias_gelu import bias_gelu
+            y = self.dense_h_to_4h.forward_without_bias(x)
+            return self.dense_4h_to_h(bias_gelu(y, self.dense_h_to_4h.bias))
         return self.dense_4h_to_h(F.gelu(self.dense_h_to_4h(x)))
 
 

@@ -60,6 +60,24 @@ def test_linear_written_out_backward_equals_autograd(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+def test_bias_gelu_kernel_equals_its_plain_twin(dtype):
+    """minibert.kernels.bias_gelu in 16-bit against F.gelu(y + b) computed in fp32 from the same inputs,
+    at BERT-large's MLP width; rows not a multiple of the tile."""
+    from minibert.kernels.bias_gelu import bias_gelu, bias_gelu_reference
+    g = torch.Generator(device="cuda").manual_seed(0)
+    y, grad = (torch.randn(4099, 4096, device="cuda", generator=g, dtype=dtype) for _ in range(2))
+    b = torch.randn(4096, device="cuda", generator=g, dtype=dtype)
+    results = []
+    for fn, cast in ((bias_gelu, dtype), (bias_gelu_reference, torch.float32)):
+        leaves = [t.to(cast).requires_grad_() for t in (y, b)]
+        out = fn(*leaves)
+        out.backward(grad.to(cast))
+        results.append([out.detach(), leaves[0].grad, leaves[1].grad])
+    for ours, theirs in zip(*results):
+        assert ours.dtype == dtype and rel(ours, theirs) < 1e-2
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
 def test_gradient_accumulation_fusion_equals_the_plain_main_grads(dtype):
     """--gradient-accumulation-fusion on CUDA in 16-bit (torch.addmm with out_dtype=float32 into the fp32
     main grad) against the plain .grad + multi-tensor add, over two micro-batches of a small BertModel."""
