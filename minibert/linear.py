@@ -8,7 +8,7 @@ Autograd's own backward of F.linear computes the same three, the bias gradient w
 for these shapes: summing a [16384, 4096] bf16 gradient (BERT-large's MLP, b32 s512) took 47.0 us, and
 the same sum written as a matrix-vector product with a vector of ones, db = dy^T 1, which cuBLAS runs as
 a GEMV, took 35.7 us; at 1024 columns 27.3 against 9.7 us, at 3072 40.6 against 28.3 (CUDA-graph timing,
-2026-12-02 01:18 UTC; bench/notes-training.md). Both accumulate in fp32 and round once to bf16.
+2026-12-02 01:06 UTC; bench/notes-training.md). Both accumulate in fp32 and round once to bf16.
 Per BERT-large step (4 biases in each of 24 layers) that is about 3.4 ms against 2.0.
 
 The product with ones runs where the fused kernels do (fused_kernels_apply: CUDA, fp16/bf16, and no

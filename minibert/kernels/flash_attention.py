@@ -279,7 +279,7 @@ def head_dim_block(d):
 # moving the keep-mask between threads needs registers) and the 8-warp ones do not (244 and 253 registers),
 # yet at d64 the spilling 64x128x4w tile was the fastest on the H200 (2026-11-30, dropout 0.1, b32 h16 s512,
 # lengths U[256,512], fwd+bwd 0.700 ms vs 0.744 ms for 128x64x8w, CUDA-graph timing).
-# `bench/attention_bench.py --sweep --dropout 0.1` on the H200 (2026-12-02 01:18 UTC, same shapes) kept the
+# `bench/attention_bench.py --sweep --dropout 0.1` on the H200 (2026-12-02 01:06 UTC, same shapes) kept the
 # forward (195.9 us) and dkdv (245.2 us) defaults and moved dq to 128x32x4w (224.0 us against 250.0 us for
 # the no-dropout default 64x32). d128 keeps the 8-warp forward tile (not timed with dropout).
 DROPOUT_TILES = {64: {"forward": Tile(64, 128, 4, 3), "dq": Tile(128, 32, 4, 4)},
