@@ -33,11 +33,12 @@ import torch
 
 from minibert import plan_memory as pm
 from minibert.attention import backend_for
-from minibert.config import PRESETS, Config, build_parser, compute_dtype, validate
+from minibert.config import PRESETS, Config, build_parser, compute_dtype
 from minibert.errors import UsageError, exit_on_usage_error, print_error_line
 from minibert.parallel.schedules import layer_ranges
 from minibert.plan_time import HARDWARE, estimate, spans_nodes
 from minibert.training_log import PEAK_FLOPS, model_flops
+from minibert.validate import validate
 
 
 def build_plan_parser():

@@ -170,7 +170,7 @@ def target_args(args: dict, tp, pp, vp_layers=None, first=None, last=None) -> di
 def check_target(args: dict):
     """config.validate for a world of T x P processes: the target must divide the heads, hidden and FFN
     sizes and the layers. Released weights carry no training flags: placeholders, which no layout check reads."""
-    from minibert.config import validate
+    from minibert.validate import validate
     pp = args["pipeline_model_parallel_size"]
     placeholders = {"micro_batch_size": 1, "global_batch_size": pp, "train_iters": 1, "lr": 0.0}
     cfg = checkpoint.config_from_args({**args, **{k: v for k, v in placeholders.items() if args.get(k) is None},

@@ -37,7 +37,7 @@ from minibert import checkpoint, resume
 from minibert.batches import (BATCH_KEYS, MicroBatchSampler, build_data_iterator, build_datasets,  # noqa: F401
                               data_stream, get_batch)
 from minibert.build import as_chunks, as_state, build_model_and_optimizer, build_pipeline, set_random_seed
-from minibert.config import parse_args, validate
+from minibert.config import parse_args
 from minibert.cuda_graphs import forward_backward_captured
 from minibert.errors import UsageError, exit_on_usage_error
 from minibert.model import pretraining_loss
@@ -46,6 +46,7 @@ from minibert.parallel.pipeline import forward_backward_no_pipelining, forward_b
 from minibert.parallel.state import ParallelState
 from minibert.profiling import Profiler
 from minibert.training_log import IntervalStats, TrainingLogger, reduce_over_data_parallel
+from minibert.validate import validate
 
 
 def warn(message):
