@@ -25,31 +25,14 @@ switch it on per parameter (`weight.main_grad_added`, the callback that also cou
 arrived for --overlap-grad-reduce); a weight used twice in one step, the tied word embedding, is never
 fused (`fuse_weight_grad=False`: its two gradients would be counted twice). Where a weight is marked,
 `linear` takes LinearFunction on any device, the CPU included, so the CPU tests run this path too."""
-import contextlib
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 
-_fusion_paused = False  # set by pause_weight_grad_fusion()
-
-
-@contextlib.contextmanager
-def pause_weight_grad_fusion():
-    """Inside: every weight gradient goes to `.grad` (the CUDA-graph warm-up, whose gradients are dropped,
-    must not add into the main grads)."""
-    global _fusion_paused
-    _fusion_paused, before = True, _fusion_paused
-    try:
-        yield
-    finally:
-        _fusion_paused = before
-
-
 def fuses_weight_grad(weight) -> bool:
     """Does LinearFunction add this weight's gradient into its main_grad (see the module's docstring)?"""
-    return not _fusion_paused and getattr(weight, "main_grad_added", None) is not None
+    return getattr(weight, "main_grad_added", None) is not None
 
 
 def accumulate_weight_grad(main_grad, grad_2d, x_2d):
@@ -85,7 +68,7 @@ class LinearFunction(torch.autograd.Function):
         grad_w = None
         if ctx.needs_input_grad[1]:
             x_2d = x.reshape(-1, x.shape[-1])
-            if ctx.fuse and fuses_weight_grad(weight):
+            if ctx.fuse:
                 accumulate_weight_grad(weight.main_grad, grad_2d, x_2d)
                 weight.main_grad_added(weight)   # no .grad: the buffers count this gradient as arrived
             else:

@@ -3,14 +3,11 @@
 On the CPU `linear` is F.linear itself, so these tests call LinearFunction directly, in float64 (a
 matmul against a sum differs only by rounding there); tests/gpu/test_gpu.py checks it in bf16 on CUDA
 through the model."""
-import contextlib
-
 import pytest
 import torch
 import torch.nn.functional as F
 
-from minibert.linear import (Linear, LinearFunction, bias_grad, linear, pause_weight_grad_fusion,
-                             written_out_backward)
+from minibert.linear import Linear, LinearFunction, bias_grad, linear, written_out_backward
 
 
 def grads(fn, x, w, b, dy):
@@ -58,7 +55,7 @@ def test_plain_on_the_cpu_and_the_module_keeps_nn_linear_names():
 def test_weight_grad_fusion_adds_into_main_grad_and_reports_it():
     """A weight marked as the data-parallel buffers mark it (--gradient-accumulation-fusion): its gradient
     is added into main_grad, no .grad is made, the callback hears of it once per backward; the bias and
-    the input get theirs as usual; paused (the CUDA-graph warm-up) or fuse_weight_grad=False, .grad again."""
+    the input get theirs as usual; with fuse_weight_grad=False (the tied decoder), .grad again."""
     g = torch.Generator().manual_seed(1)
     x = torch.randn(6, 7, generator=g, dtype=torch.float64, requires_grad=True)
     dy = torch.randn(6, 4, generator=g, dtype=torch.float64)
@@ -73,13 +70,10 @@ def test_weight_grad_fusion_adds_into_main_grad_and_reports_it():
     assert w.grad is None and heard == [w]
     torch.testing.assert_close(b.grad, dy.sum(0), rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(x.grad, dy @ w.detach(), rtol=1e-12, atol=1e-12)
-    for route in ("paused", "not fused"):
-        w.main_grad = earlier.clone()
-        with pause_weight_grad_fusion() if route == "paused" else contextlib.nullcontext():
-            linear(x, w, b, fuse_weight_grad=route != "not fused").backward(dy)
-        assert torch.equal(w.main_grad, earlier) and heard == [w], route
-        torch.testing.assert_close(w.grad, dy.t() @ x.detach(), rtol=1e-12, atol=1e-12)
-        w.grad = None
+    w.main_grad = earlier.clone()
+    linear(x, w, b, fuse_weight_grad=False).backward(dy)
+    assert torch.equal(w.main_grad, earlier) and heard == [w]
+    torch.testing.assert_close(w.grad, dy.t() @ x.detach(), rtol=1e-12, atol=1e-12)
 
 
 def test_fused_model_gradients_equal_the_plain_ones():

@@ -38,6 +38,7 @@ import triton.language as tl
 
 from minibert.kernels import interpreting
 
+
 def bias_gelu_reference(y, bias):
     """The plain twin: gelu(y + bias), autograd's backward (bias gradient: a sum over rows)."""
     return torch.nn.functional.gelu(y + bias)
@@ -50,14 +51,20 @@ def _tiles():
 
 
 @triton.jit
+def _biased(Y, B, offsets, inside, cols, n_cols):
+    """z = y + b for a tile, in fp32 (both kernels start here)."""
+    return (tl.load(Y + offsets, mask=inside, other=0.0).to(tl.float32)
+            + tl.load(B + cols, mask=cols < n_cols, other=0.0).to(tl.float32)[None, :])
+
+
+@triton.jit
 def _bias_gelu_fwd_kernel(Y, B, OUT, n_rows, n_cols, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """out = gelu(y + b) for a BLOCK_M x BLOCK_N tile (rows contiguous, n_cols apart)."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     inside = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
     offsets = rows[:, None].to(tl.int64) * n_cols + cols[None, :]
-    z = (tl.load(Y + offsets, mask=inside, other=0.0).to(tl.float32)
-         + tl.load(B + cols, mask=cols < n_cols, other=0.0).to(tl.float32)[None, :])
+    z = _biased(Y, B, offsets, inside, cols, n_cols)
     out = z * 0.5 * (1.0 + tl.math.erf(z * 0.7071067811865476))              # z * Phi(z); 1 / sqrt 2
     tl.store(OUT + offsets, out.to(OUT.dtype.element_ty), mask=inside)
 
@@ -70,8 +77,7 @@ def _bias_gelu_bwd_kernel(Y, B, DA, DZ, PARTIAL, n_rows, n_cols, BLOCK_M: tl.con
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     inside = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
     offsets = rows[:, None].to(tl.int64) * n_cols + cols[None, :]
-    z = (tl.load(Y + offsets, mask=inside, other=0.0).to(tl.float32)
-         + tl.load(B + cols, mask=cols < n_cols, other=0.0).to(tl.float32)[None, :])
+    z = _biased(Y, B, offsets, inside, cols, n_cols)
     da = tl.load(DA + offsets, mask=inside, other=0.0).to(tl.float32)
     cdf = 0.5 * (1.0 + tl.math.erf(z * 0.7071067811865476))                 # Phi(z)
     pdf = tl.exp(-0.5 * z * z) * 0.3989422804014327                         # phi(z); 1 / sqrt(2 pi)
