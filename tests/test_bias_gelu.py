@@ -61,3 +61,16 @@ def test_mlp_with_the_fusion_equals_the_plain_mlp(monkeypatch):
     assert len(results[1]) == 6 and all(g is not None for g in results[1])
     for plain, ours in zip(*results):
         torch.testing.assert_close(ours, plain, rtol=1e-5, atol=1e-5)
+
+
+def test_another_tile_gives_the_same_numbers():
+    """The launchers take the tile (bench/bias_gelu_bench.py --sweep times others): one with a single row a
+    program, and one whose column block is wider than F, give the default tile's output and gradients."""
+    from minibert.kernels.bias_gelu import backward_2d, forward_2d
+    g = torch.Generator().manual_seed(0)
+    y, da = torch.randn(37, 40, generator=g), torch.randn(37, 40, generator=g)
+    b = torch.randn(40, generator=g)
+    expected = [forward_2d(y, b, _tiles()), *backward_2d(y, b, da, _tiles())]
+    for tile in ((1, 16, 1), (8, 64, 1)):
+        for got, want in zip([forward_2d(y, b, tile), *backward_2d(y, b, da, tile)], expected):
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)

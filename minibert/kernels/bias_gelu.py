@@ -46,7 +46,7 @@ def bias_gelu_reference(y, bias):
 
 def _tiles():
     """(BLOCK_M rows, BLOCK_N columns, warps) of both kernels: small under the interpreter (numpy). The GPU
-    tile (8192 elements a program) is a first choice, not yet swept."""
+    tile (8192 elements a program) is a first choice, not yet swept (bench/bias_gelu_bench.py --sweep)."""
     return (16, 32, 1) if interpreting() else (32, 256, 8)
 
 
@@ -87,9 +87,29 @@ def _bias_gelu_bwd_kernel(Y, B, DA, DZ, PARTIAL, n_rows, n_cols, BLOCK_M: tl.con
     tl.store(PARTIAL + block_m.to(tl.int64) * n_cols + cols, tl.sum(dz, 0), mask=cols < n_cols)
 
 
-def _grid(n_rows, n_cols):
-    block_m, block_n, _ = _tiles()
+def _grid(n_rows, n_cols, tiles):
+    block_m, block_n, _ = tiles
     return (triton.cdiv(n_rows, block_m), triton.cdiv(n_cols, block_n))
+
+
+def forward_2d(y2, bias, tiles):
+    """The forward kernel on a contiguous [rows, F] y2: gelu(y2 + bias)."""
+    out = torch.empty_like(y2)
+    block_m, block_n, warps = tiles
+    _bias_gelu_fwd_kernel[_grid(*y2.shape, tiles)](y2, bias, out, *y2.shape, BLOCK_M=block_m, BLOCK_N=block_n,
+                                                   num_warps=warps)
+    return out
+
+
+def backward_2d(y2, bias, da, tiles):
+    """The backward kernel on contiguous [rows, F] y2 and da: (dy, dbias)."""
+    dz = torch.empty_like(y2)
+    grid = _grid(*y2.shape, tiles)
+    partial = torch.empty(grid[0], y2.shape[1], dtype=torch.float32, device=y2.device)
+    block_m, block_n, warps = tiles
+    _bias_gelu_bwd_kernel[grid](y2, bias, da, dz, partial, *y2.shape, BLOCK_M=block_m, BLOCK_N=block_n,
+                                num_warps=warps)
+    return dz, partial.sum(0).to(bias.dtype)
 
 
 class BiasGeLU(torch.autograd.Function):
@@ -98,24 +118,14 @@ class BiasGeLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y, bias):
         y2 = y.contiguous().view(-1, y.shape[-1])
-        out = torch.empty_like(y2)
-        block_m, block_n, warps = _tiles()
-        _bias_gelu_fwd_kernel[_grid(*y2.shape)](y2, bias, out, *y2.shape, BLOCK_M=block_m, BLOCK_N=block_n,
-                                                num_warps=warps)
         ctx.save_for_backward(y2, bias)
-        return out.view(y.shape)
+        return forward_2d(y2, bias, _tiles()).view(y.shape)
 
     @staticmethod
     def backward(ctx, grad_out):
         y2, bias = ctx.saved_tensors
-        da = grad_out.contiguous().view(y2.shape)
-        dz = torch.empty_like(y2)
-        grid = _grid(*y2.shape)
-        partial = torch.empty(grid[0], y2.shape[1], dtype=torch.float32, device=y2.device)
-        block_m, block_n, warps = _tiles()
-        _bias_gelu_bwd_kernel[grid](y2, bias, da, dz, partial, *y2.shape, BLOCK_M=block_m, BLOCK_N=block_n,
-                                    num_warps=warps)
-        return dz.view(grad_out.shape), partial.sum(0).to(bias.dtype)
+        dz, dbias = backward_2d(y2, bias, grad_out.contiguous().view(y2.shape), _tiles())
+        return dz.view(grad_out.shape), dbias
 
 
 def bias_gelu(y, bias):
