@@ -9,8 +9,8 @@ Bandwidth counts the bytes a perfect kernel moves, T = one [rows, F] bf16 tensor
 write a), backward 3 T (read da, y; write dz). Times are GPU time of a CUDA-graph replay (as inside a
 training step); the ceiling is a device copy.
 
-    python bench/bias_gelu_bench.py          # the rows (under a minute)
-    python bench/bias_gelu_bench.py --sweep  # and every tile of sweep_tiles at BERT-large, checked then timed
+    python bench/bias_gelu_bench.py          # the rows (half a minute)
+    python bench/bias_gelu_bench.py --sweep  # and every tile of sweep_tiles at BERT-large, checked then timed (about a minute)
 
 `run()` returns rows {name, value, unit, notes} for bench/run.py; `run(sweep=True)` adds one row per tile.
 """
@@ -68,12 +68,13 @@ def _measure(label, rows, n):
 
 
 def sweep_tiles():
-    """Rows 4-64 a program, columns 256-1024, 4-16 warps; 8 to 64 values per thread."""
-    return [(m, n, w) for m in (4, 8, 16, 32, 64) for n in (256, 512, 1024) for w in (4, 8, 16)
-            if 8 <= m * n // (32 * w) <= 64]
+    """Twelve tiles around the default: rows 4-64 a program, columns 256-1024, 4-16 warps, 16 to 64 values
+    per thread (each costs two compiles, a second or two apiece on the H200's host)."""
+    return [(4, 1024, 4), (8, 512, 4), (8, 1024, 8), (16, 256, 4), (16, 512, 8), (16, 1024, 16),
+            (32, 256, 8), (32, 256, 16), (32, 512, 16), (64, 256, 16), (64, 256, 8), (32, 256, 4)]
 
 
-def _sweep(rows, n):
+def _sweep(rows, n, echo):
     y, bias, _, da = _inputs(rows, n)
     default = fused._tiles()
     expected = [fused.forward_2d(y, bias, default), *fused.backward_2d(y, bias, da, default)]
@@ -88,17 +89,25 @@ def _sweep(rows, n):
             ms = _time_ms(fn)
             out.append(dict(name=f"sweep [{rows}, {n}] {direction} rows={tile[0]} cols={tile[1]} warps={tile[2]}{tag}",
                             value=_tbps(passes * t, ms), unit="TB/s", notes=f"{ms:.4f} ms"))
+            echo(out[-1])
     return out
 
 
-def run(sweep=False):
+def _print(row):
+    print(f"{row['name']:<64}  {row['value']:7.3f} {row['unit']:<5} {row['notes']}", flush=True)
+
+
+def run(sweep=False, echo=lambda row: None):
+    """The rows; echo(row) is called as each is measured (main prints them: a slow sweep shows progress)."""
     if not torch.cuda.is_available():
         raise RuntimeError("bench/bias_gelu_bench.py measures GPU kernels: run it on a machine with a CUDA GPU")
     rows = []
     for label, (n_rows, n) in SHAPES.items():
         rows += _measure(label, n_rows, n)
+        for row in rows[-3:]:
+            echo(row)
     if sweep:
-        rows += _sweep(*SHAPES["BERT-large b32 s512"])
+        rows += _sweep(*SHAPES["BERT-large b32 s512"], echo)
     return rows
 
 
@@ -110,10 +119,7 @@ def main():
         sys.exit("error: bench/bias_gelu_bench.py measures GPU kernels; run it on a machine with a CUDA GPU")
     props = torch.cuda.get_device_properties(0)
     print(f"# {props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}, triton {triton.__version__}")
-    rows = run(sweep=args.sweep)
-    width = max(len(r["name"]) for r in rows)
-    for r in rows:
-        print(f"{r['name']:<{width}}  {r['value']:7.3f} {r['unit']:<5} {r['notes']}")
+    rows = run(sweep=args.sweep, echo=_print)
     for direction in ("fwd", "bwd") if args.sweep else ():
         prefix = f"sweep [16384, 4096] {direction}"
         best = max((r for r in rows if r["name"].startswith(prefix)), key=lambda r: r["value"])

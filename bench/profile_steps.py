@@ -114,6 +114,7 @@ def main():
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("error: profile_steps.py profiles GPU kernels; run it on a machine with a CUDA GPU")
+    os.makedirs(args.work_dir, exist_ok=True)
     settings = train_bench.Settings(torch.device("cuda"), tiny=False, warmup=3, steps=4, work_dir=args.work_dir)
     prefix, _ = train_bench.corpus_prefix("default", settings)
     lines = ["# Where the step's GPU time goes (bench/profile_steps.py)", "",

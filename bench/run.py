@@ -16,8 +16,7 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 import triton  # noqa: E402
 
-from bench import (attention_bench, bias_gelu_bench, cross_entropy_bench, layer_norm_bench, softmax_bench,  # noqa: E402
-                   train_bench)
+from bench import attention_bench, cross_entropy_bench, layer_norm_bench, softmax_bench, train_bench  # noqa: E402
 from minibert.atomic import atomic_write  # noqa: E402
 
 
@@ -36,7 +35,6 @@ SECTIONS = [
     ("Flash attention with key padding (minibert/kernels/flash_attention.py)", attention_bench),
     ("Fused cross entropy (minibert/kernels/cross_entropy.py)", cross_entropy_bench),
     ("Fused dropout + residual add + LayerNorm (minibert/kernels/layer_norm.py)", layer_norm_bench),
-    ("Fused bias + GeLU (minibert/kernels/bias_gelu.py)", bias_gelu_bench),
     ("Training throughput (bench/train_bench.py, --quick: 3 warm-up and 8 timed steps per contender)",
      QuickTraining),
 ]

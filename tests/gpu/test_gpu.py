@@ -69,7 +69,7 @@ def test_bias_gelu_kernel_equals_its_plain_twin(dtype):
     b = torch.randn(4096, device="cuda", generator=g, dtype=dtype)
     results = []
     for fn, cast in ((bias_gelu, dtype), (bias_gelu_reference, torch.float32)):
-        leaves = [t.to(cast).requires_grad_() for t in (y, b)]
+        leaves = [t.clone().to(cast).requires_grad_() for t in (y, b)]   # copies: y itself stays a plain tensor
         out = fn(*leaves)
         out.backward(grad.to(cast))
         results.append([out.detach(), leaves[0].grad, leaves[1].grad])
