@@ -10,7 +10,7 @@ write a), backward 3 T (read da, y; write dz). Times are GPU time of a CUDA-grap
 training step); the ceiling is a device copy.
 
     python bench/bias_gelu_bench.py          # the rows (half a minute)
-    python bench/bias_gelu_bench.py --sweep  # and every tile of sweep_tiles at BERT-large, checked then timed (about a minute)
+    python bench/bias_gelu_bench.py --sweep  # and each tile of sweep_tiles at BERT-large (about a minute)
 
 `run()` returns rows {name, value, unit, notes} for bench/run.py; `run(sweep=True)` adds one row per tile.
 """

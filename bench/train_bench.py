@@ -186,7 +186,7 @@ CONTENDERS = {  # name -> (build(cfg, batches, device) -> step, config overrides
     "minibert padded": (minibert_stepper, {"pack_tokens": False}),
     "minibert, CUDA graphs": (minibert_stepper, {"cuda_graph_impl": "local"}),
     "minibert, levers off by default on": (minibert_stepper, {"gradient_accumulation_fusion": True,
-                                                               "bias_gelu_fusion": True}),
+                                                               "bias_gelu_fusion": True, "layernorm_fusion": True}),
     "minibert packed, CUDA graphs": (minibert_stepper, {"cuda_graph_impl": "local"}),
     "HF eager": (hf_stepper, {}),
     "HF compiled": (lambda cfg, batches, device: hf_stepper(cfg, batches, device, compiled=True), {}),
@@ -444,6 +444,7 @@ LEVERS = {  # contender -> the flags it turns off
 LEVERS_ON = {  # contender -> the flags it turns on (levers that are off by default until measured)
     "minibert --gradient-accumulation-fusion": {"gradient_accumulation_fusion": True},
     "minibert --bias-gelu-fusion": {"bias_gelu_fusion": True},
+    "minibert --layernorm-fusion": {"layernorm_fusion": True},
 }
 
 

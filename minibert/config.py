@@ -56,6 +56,12 @@ class Config:
                                           "whose backward also sums the bias gradient (minibert.kernels.bias_gelu; "
                                           "Megatron's flag, there on by default; here off until timed on a GPU)",
                                    action=argparse.BooleanOptionalAction)
+    layernorm_fusion: bool = _flag(False, "on a GPU in fp16/bf16, activations of >= 4M elements: the LayerNorms "
+                                          "that follow no residual add (pre-LN's LN1, the final and the LM "
+                                          "head's) through minibert.kernels.layer_norm, whose backward gives dx "
+                                          "and the weight gradient in one pass; off (until timed on a GPU): "
+                                          "nn.LayerNorm",
+                                   action=argparse.BooleanOptionalAction)
     cross_entropy_loss_fusion: bool = _flag(True, "on a GPU in fp16/bf16: the LM loss in one Triton kernel that "
                                                   "reads the logits once (minibert.kernels.cross_entropy; "
                                                   "Megatron's flag, there off by default); off: fp32 cast + "

@@ -60,6 +60,23 @@ def fused_kernels_apply(x) -> bool:
     return x.is_cuda and x.dtype in (torch.float16, torch.bfloat16)
 
 
+class LayerNorm(nn.LayerNorm):
+    """nn.LayerNorm (same parameters, names and init). With --layernorm-fusion, where the fused kernels
+    apply and on at least FUSED_LAYER_NORM_MIN_ELEMENTS, minibert.kernels.layer_norm's kernels run it:
+    their backward reads the gradient and x once for dx, dweight and dbias, where nn.LayerNorm's reads
+    them twice (two kernels). Everywhere else: nn.LayerNorm itself, its twin."""
+
+    def __init__(self, h, eps, config):
+        super().__init__(h, eps=eps)
+        self.fused = config.layernorm_fusion
+
+    def forward(self, x):
+        if self.fused and fused_kernels_apply(x) and x.numel() >= FUSED_LAYER_NORM_MIN_ELEMENTS:
+            from minibert.kernels.layer_norm import layer_norm
+            return layer_norm(x, self.weight, self.bias, self.eps)
+        return super().forward(x)
+
+
 class Embedding(nn.Module):
     """tokens, types [b, s] -> [b, s, h] = word[tokens] + position[0..s) + tokentype[types].
 
@@ -74,7 +91,7 @@ class Embedding(nn.Module):
         self.position_embeddings = nn.Embedding(config.max_positions, h)
         self.tokentype_embeddings = nn.Embedding(NUM_TOKEN_TYPES, h)
         # post-LN (HF) normalises the embeddings; Megatron's pre-LN leaves that to the first layer's LN1
-        self.layernorm = nn.LayerNorm(h, eps=config.layernorm_epsilon) if config.post_ln else None
+        self.layernorm = LayerNorm(h, config.layernorm_epsilon, config) if config.post_ln else None
         self.dropout = config.hidden_dropout
 
     def forward(self, tokens, types=None):
@@ -177,9 +194,9 @@ class TransformerLayer(nn.Module):
         super().__init__()
         h, eps = config.hidden_size, config.layernorm_epsilon
         self.post_ln = config.post_ln
-        self.attention_layernorm = nn.LayerNorm(h, eps=eps)
+        self.attention_layernorm = LayerNorm(h, eps, config)
         self.self_attention = SelfAttention(config)
-        self.mlp_layernorm = nn.LayerNorm(h, eps=eps)
+        self.mlp_layernorm = LayerNorm(h, eps, config)
         self.mlp = MLP(config)
         self.dropout = config.hidden_dropout
         self.rng_context = contextlib.nullcontext  # sequence parallelism: each rank's own generator
@@ -242,7 +259,7 @@ class LMHead(nn.Module):
         super().__init__()
         h = config.hidden_size
         self.dense = Linear(h, h)
-        self.layernorm = nn.LayerNorm(h, eps=config.layernorm_epsilon)
+        self.layernorm = LayerNorm(h, config.layernorm_epsilon, config)
         self.bias = nn.Parameter(torch.zeros(config.padded_vocab_size))
         self.decoder = TiedDecoder(config.vocab_size)
 
@@ -313,7 +330,7 @@ class BertModel(nn.Module):
             self.embedding = WordEmbeddingCopy(config)
         self.layers = Layers({str(i): TransformerLayer(config) for i in layer_numbers})
         if post_process:
-            self.final_layernorm = None if config.post_ln else nn.LayerNorm(h, eps=eps)
+            self.final_layernorm = None if config.post_ln else LayerNorm(h, eps, config)
             self.lm_head = LMHead(config)
             self.pooler = Linear(h, h) if config.binary_head else None
             self.binary_head = Linear(h, 2) if config.binary_head else None

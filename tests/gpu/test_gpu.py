@@ -78,6 +78,26 @@ def test_bias_gelu_kernel_equals_its_plain_twin(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+def test_layer_norm_alone_equals_its_plain_twin(dtype):
+    """minibert.kernels.layer_norm.layer_norm (--layernorm-fusion) in 16-bit against F.layer_norm in fp32
+    from the same inputs, at BERT-large's [16384, 1024] and BERT-base's width: output and three gradients."""
+    import torch.nn.functional as F
+    from minibert.kernels.layer_norm import layer_norm
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for rows, h in ((16384, 1024), (4099, 768)):
+        x, grad = ((torch.randn(rows, h, device="cuda", generator=g) * 2 + 0.5).to(dtype) for _ in range(2))
+        w, b = (1 + 0.3 * torch.randn(h, device="cuda", generator=g)).to(dtype), torch.randn(h, device="cuda").to(dtype)
+        results = []
+        for fn, cast in ((layer_norm, dtype), (lambda *a: F.layer_norm(a[0], (h,), *a[1:]), torch.float32)):
+            leaves = [t.clone().to(cast).requires_grad_() for t in (x, w, b)]
+            out = fn(*leaves, 1e-12)
+            out.backward(grad.to(cast))
+            results.append([out.detach()] + [t.grad for t in leaves])
+        for ours, theirs in zip(*results):
+            assert ours.dtype == dtype and rel(ours, theirs) < 1e-2
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
 def test_gradient_accumulation_fusion_equals_the_plain_main_grads(dtype):
     """--gradient-accumulation-fusion on CUDA in 16-bit (torch.addmm with out_dtype=float32 into the fp32
     main grad) against the plain .grad + multi-tensor add, over two micro-batches of a small BertModel."""
@@ -192,9 +212,9 @@ def test_whole_model_backends_against_local(dtype, backend):
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
 @pytest.mark.parametrize("post_ln", [False, True], ids=["pre-LN", "post-LN"])
 def test_fused_layer_norm_and_cross_entropy_equal_their_plain_twins(dtype, post_ln, monkeypatch):
-    """The whole model with --bias-dropout-fusion and --cross-entropy-loss-fusion (the defaults) against
-    both off, dropout 0: the same loss and gradients up to 16-bit rounding (the LayerNorm's and the
-    loss's fp32 sums run in other orders)."""
+    """The whole model with --bias-dropout-fusion and --cross-entropy-loss-fusion (the defaults) and
+    --layernorm-fusion against all three off, dropout 0: the same loss and gradients up to 16-bit rounding
+    (the LayerNorm's and the loss's fp32 sums run in other orders)."""
     from minibert.config import Config
     from minibert.model import BertModel
     monkeypatch.setattr("minibert.model.FUSED_LAYER_NORM_MIN_ELEMENTS", 0)  # this small model fuses too
@@ -203,7 +223,7 @@ def test_fused_layer_norm_and_cross_entropy_equal_their_plain_twins(dtype, post_
     for fused in (True, False):
         cfg = Config(num_layers=2, hidden_size=256, num_attention_heads=4, seq_length=256, vocab_size=1000,
                      hidden_dropout=0.0, attention_dropout=0.0, post_ln=post_ln, bias_dropout_fusion=fused,
-                     cross_entropy_loss_fusion=fused)
+                     cross_entropy_loss_fusion=fused, layernorm_fusion=fused)
         results[fused] = loss_and_grads(BertModel(cfg).cuda().to(dtype), batch)
     (loss_a, grads_a), (loss_b, grads_b) = results[False], results[True]
     assert abs(float(loss_a - loss_b)) / float(loss_a) < 5e-3
