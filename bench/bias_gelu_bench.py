@@ -46,15 +46,15 @@ def _plain_backward(z, da, ones):
 def _measure(label, rows, n):
     y, bias, z, da = _inputs(rows, n)
     ones = torch.ones(rows, device="cuda", dtype=torch.bfloat16)
-    tiles = fused._tiles()
+    tiles, tiles_bwd = fused._tiles("forward"), fused._tiles("backward")
     expected = [F.gelu(z), *_plain_backward(z, da, ones)]
-    _check(f"{label} fused vs plain", [fused.forward_2d(y, bias, tiles), *fused.backward_2d(y, bias, da, tiles)],
+    _check(f"{label} fused vs plain", [fused.forward_2d(y, bias, tiles), *fused.backward_2d(y, bias, da, tiles_bwd)],
            expected, names=("a", "dy", "dbias"))
     t = rows * n * 2
     ms = {"copy": _time_ms(lambda: y.clone()),
           "plain fwd": _time_ms(lambda: F.gelu(z)), "plain bwd": _time_ms(lambda: _plain_backward(z, da, ones)),
           "fused fwd": _time_ms(lambda: fused.forward_2d(y, bias, tiles)),
-          "fused bwd": _time_ms(lambda: fused.backward_2d(y, bias, da, tiles))}
+          "fused bwd": _time_ms(lambda: fused.backward_2d(y, bias, da, tiles_bwd))}
     copy = _tbps(2 * t, ms["copy"])
     where = f"bf16 [{rows}, {n}] ({label}); GPU time, CUDA graph"
     out = [dict(name=f"[{rows}, {n}] device copy (ceiling)", value=copy, unit="TB/s",
@@ -78,15 +78,16 @@ def _sweep(rows, n, echo):
     y, bias, _, da = _inputs(rows, n)
     default = fused._tiles()
     expected = [fused.forward_2d(y, bias, default), *fused.backward_2d(y, bias, da, default)]
+    defaults = {"fwd": fused._tiles("forward"), "bwd": fused._tiles("backward")}
     t = rows * n * 2
     out = []
     for tile in sweep_tiles():
         _check(f"tile {tile}", [fused.forward_2d(y, bias, tile), *fused.backward_2d(y, bias, da, tile)], expected,
                tol=1e-2, names=("a", "dy", "dbias"))
-        tag = " (default)" if tile == default else ""
         for direction, passes, fn in (("fwd", 2, lambda: fused.forward_2d(y, bias, tile)),
                                       ("bwd", 3, lambda: fused.backward_2d(y, bias, da, tile))):
             ms = _time_ms(fn)
+            tag = " (default)" if tile == defaults[direction] else ""
             out.append(dict(name=f"sweep [{rows}, {n}] {direction} rows={tile[0]} cols={tile[1]} warps={tile[2]}{tag}",
                             value=_tbps(passes * t, ms), unit="TB/s", notes=f"{ms:.4f} ms"))
             echo(out[-1])

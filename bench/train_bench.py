@@ -29,7 +29,8 @@ Sections (--sections picks them):
        --cuda-graph-impl local (each micro-batch one CUDA graph replay)
     5  the fused kernels' gains: sections 1 and 3's minibert with --no-bias-dropout-fusion, with
        --no-cross-entropy-loss-fusion and with both, and with --gradient-accumulation-fusion and
-       --bias-gelu-fusion (off by default) each turned on (skipped on the CPU, where the plain ops run)
+       --bias-gelu-fusion and --layernorm-fusion (off by default) each turned on, and the last two again
+       with --cuda-graph-impl local (skipped on the CPU, where the plain ops run)
 
 Model FLOPs (docs/measuring.md): F = 72 l h^2 + 12 l s h + 6 r (h V + h^2) per token, r = 1, V = the padded vocab,
 with padding only real tokens count and sum(L_i^2) replaces s^2 (minibert.training_log.model_flops: the
@@ -446,6 +447,11 @@ LEVERS_ON = {  # contender -> the flags it turns on (levers that are off by defa
     "minibert --bias-gelu-fusion": {"bias_gelu_fusion": True},
     "minibert --layernorm-fusion": {"layernorm_fusion": True},
 }
+LEVERS_GRAPHED = {  # the same with CUDA graphs, where the host's launch cost is gone (graphs refuse the
+    "minibert, CUDA graphs": {},                                       # gradient-accumulation fusion)
+    "minibert, CUDA graphs --bias-gelu-fusion": {"bias_gelu_fusion": True},
+    "minibert, CUDA graphs --layernorm-fusion": {"layernorm_fusion": True},
+}
 
 
 def section_5(settings):
@@ -461,7 +467,8 @@ def section_5(settings):
         prefix, _ = corpus_prefix("default", settings)
         batches = stream_batches(prefix, batches_needed(cfg, settings), micro, seq, settings.device)
         speed = {}
-        for lever, flags in {**LEVERS, **LEVERS_ON}.items():
+        graphed = {lever: {"cuda_graph_impl": "local", **flags} for lever, flags in LEVERS_GRAPHED.items()}
+        for lever, flags in {**LEVERS, **LEVERS_ON, **graphed}.items():
             result = measure("minibert", Config(**{**vars(cfg), **flags}), batches, settings)
             speed[lever] = result.samples / result.seconds
             ms = 1e3 * result.seconds / result.steps
@@ -475,6 +482,11 @@ def section_5(settings):
         for lever in LEVERS_ON:
             rows += print_rows([row(f"{label}: {lever.replace('minibert ', '')} / all fusions", speed[lever] / full,
                                     "x", "seq/s ratio: the gain of what that contender turns on")])
+        for lever in list(LEVERS_GRAPHED)[1:]:
+            base = "minibert, CUDA graphs"
+            rows += print_rows([row(f"{label}: {lever.replace(base + ' ', '')} / all fusions, both with CUDA graphs",
+                                    speed[lever] / speed[base], "x",
+                                    "seq/s ratio: the gain of what that contender turns on, host launch cost gone")])
     return rows
 
 
