@@ -15,6 +15,8 @@ Each sublayer f (attention, MLP) ends with dropout, a residual add and a LayerNo
 
 so one op serves both: dropout_add_layer_norm(residual, y, ...) -> (x = residual + drop(y), LN(x)).
 Pre-LN uses both outputs, post-LN only the second (its grad_x is None in the backward).
+The LayerNorms that follow no add (pre-LN's LN1, the final one, the LM head's) are the same kernels
+with no y: layer_norm(x, ...) reads x once and does not store it again (--layernorm-fusion).
 
 2. Why fuse: bytes
 ------------------
