@@ -10,6 +10,10 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN_PY = os.path.join(ROOT, "minibert", "train.py")
 TIMEOUT = 240  # seconds for one launch: the slowest (8 processes on 2 cores) takes ~60
+# A test that every rank prints its own error line gives torchrun this long between checks of its
+# workers: at torchrun's 0.1 s the first rank to exit had the other stopped before it printed (seen once
+# under load, 2026-12-02); each rank still exits at once, the interval only delays torchrun's teardown.
+EVERY_RANK_SPEAKS = 5
 
 
 def free_port() -> int:
@@ -37,9 +41,11 @@ def torchrun_command(nproc, args, nnodes=1, node_rank=0, port=None, monitor_inte
     return launcher + [TRAIN_PY] + [str(a) for a in args]
 
 
-def run(nproc, args, timeout=TIMEOUT):
-    """nproc == 1: `python minibert/train.py ARGS`; else `torchrun --nproc_per_node N minibert/train.py ARGS`."""
-    command = [sys.executable, TRAIN_PY] + [str(a) for a in args] if nproc == 1 else torchrun_command(nproc, args)
+def run(nproc, args, timeout=TIMEOUT, monitor_interval=None):
+    """nproc == 1: `python minibert/train.py ARGS`; else `torchrun --nproc_per_node N minibert/train.py ARGS`
+    (monitor_interval: as torchrun_command's)."""
+    command = ([sys.executable, TRAIN_PY] + [str(a) for a in args] if nproc == 1
+               else torchrun_command(nproc, args, monitor_interval=monitor_interval))
     return subprocess.run(command, capture_output=True, text=True, env=env(), cwd=ROOT, timeout=timeout)
 
 

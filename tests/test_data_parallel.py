@@ -103,7 +103,8 @@ def test_bucketed_reduction_equals_a_plain_all_reduce_per_parameter():
 
 
 def test_global_batch_not_divisible_exits_2_on_every_rank_before_any_collective(tiny_data, tmp_path):
-    result = launch.run(2, layout_args(tiny_data, tmp_path / "tb", "--global-batch-size", 6), timeout=120)
+    result = launch.run(2, layout_args(tiny_data, tmp_path / "tb", "--global-batch-size", 6), timeout=120,
+                        monitor_interval=launch.EVERY_RANK_SPEAKS)
     assert result.returncode != 0  # torchrun reports its workers' exit code 2 as a failure (1)
     errors = launch.error_lines(result.stderr)
     assert len(errors) == 2 and all("--micro-batch-size x data-parallel size = 2 x 2" in e for e in errors), errors

@@ -82,7 +82,8 @@ def test_pipeline_trace_prints_each_send_and_receive(tiny_data, tmp_path):
          "--global-batch-size", 6], "a multiple of --pipeline-model-parallel-size 2"),
 ], ids=["layers", "interleaved-micro-batches"])
 def test_bad_pipeline_layouts_exit_2_on_every_rank(tiny_data, tmp_path, nproc, flags, message):
-    result = launch.run(nproc, layout_args(tiny_data, tmp_path / "tb", *flags), timeout=120)
+    result = launch.run(nproc, layout_args(tiny_data, tmp_path / "tb", *flags), timeout=120,
+                        monitor_interval=launch.EVERY_RANK_SPEAKS)
     errors = launch.error_lines(result.stderr)
     assert result.returncode != 0 and len(errors) == nproc and all(message in e for e in errors), errors
 
