@@ -29,8 +29,9 @@ Sections (--sections picks them):
        --cuda-graph-impl local (each micro-batch one CUDA graph replay)
     5  the fused kernels' gains: sections 1 and 3's minibert with --no-bias-dropout-fusion, with
        --no-cross-entropy-loss-fusion and with both, and with --gradient-accumulation-fusion and
-       --bias-gelu-fusion and --layernorm-fusion (off by default) each turned on, and the last two again
-       with --cuda-graph-impl local (skipped on the CPU, where the plain ops run)
+       --bias-gelu-fusion, --layernorm-fusion and --residual-layernorm-fusion (off by default) each
+       turned on, and the last three again with --cuda-graph-impl local (skipped on the CPU, where the
+       plain ops run)
 
 Model FLOPs (docs/measuring.md): F = 72 l h^2 + 12 l s h + 6 r (h V + h^2) per token, r = 1, V = the padded vocab,
 with padding only real tokens count and sum(L_i^2) replaces s^2 (minibert.training_log.model_flops: the
@@ -187,7 +188,8 @@ CONTENDERS = {  # name -> (build(cfg, batches, device) -> step, config overrides
     "minibert padded": (minibert_stepper, {"pack_tokens": False}),
     "minibert, CUDA graphs": (minibert_stepper, {"cuda_graph_impl": "local"}),
     "minibert, levers off by default on": (minibert_stepper, {"gradient_accumulation_fusion": True,
-                                                               "bias_gelu_fusion": True, "layernorm_fusion": True}),
+                                                               "bias_gelu_fusion": True, "layernorm_fusion": True,
+                                                               "residual_layernorm_fusion": True}),
     "minibert packed, CUDA graphs": (minibert_stepper, {"cuda_graph_impl": "local"}),
     "HF eager": (hf_stepper, {}),
     "HF compiled": (lambda cfg, batches, device: hf_stepper(cfg, batches, device, compiled=True), {}),
@@ -446,11 +448,13 @@ LEVERS_ON = {  # contender -> the flags it turns on (levers that are off by defa
     "minibert --gradient-accumulation-fusion": {"gradient_accumulation_fusion": True},
     "minibert --bias-gelu-fusion": {"bias_gelu_fusion": True},
     "minibert --layernorm-fusion": {"layernorm_fusion": True},
+    "minibert --residual-layernorm-fusion": {"residual_layernorm_fusion": True},
 }
 LEVERS_GRAPHED = {  # the same with CUDA graphs, where the host's launch cost is gone (graphs refuse the
     "minibert, CUDA graphs": {},                                       # gradient-accumulation fusion)
     "minibert, CUDA graphs --bias-gelu-fusion": {"bias_gelu_fusion": True},
     "minibert, CUDA graphs --layernorm-fusion": {"layernorm_fusion": True},
+    "minibert, CUDA graphs --residual-layernorm-fusion": {"residual_layernorm_fusion": True},
 }
 
 

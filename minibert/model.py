@@ -221,13 +221,22 @@ class TransformerLayer(nn.Module):
         return x, None if layernorm is None else layernorm(x)
 
     def forward(self, x, padding_mask, backend, packing=None):  # x [b, s, h] (packed: [n, h]) -> same
+        return self.forward_chained(x, None, None, padding_mask, backend, packing)[0]
+
+    def forward_chained(self, x, normed, next_layernorm, padding_mask, backend, packing=None):
+        """-> (x, next_layernorm(x) or None). In pre-LN each layer ends with a residual add and no
+        LayerNorm, and the next layer starts with its LN1 of that sum: --residual-layernorm-fusion hands
+        the LayerNorm to the add (next_layernorm: the next layer's LN1, or the final LayerNorm), so one
+        fused kernel does both, and the next layer takes the result as `normed` (None: it runs its own LN1)."""
         if self.post_ln:
             _, x = self.add_dropout_norm(x, self.self_attention(x, padding_mask, backend, packing),
                                          self.attention_layernorm)
-            return self.add_dropout_norm(x, self.mlp(x), self.mlp_layernorm)[1]
-        x, normed = self.add_dropout_norm(x, self.self_attention(self.attention_layernorm(x), padding_mask,
-                                                                 backend, packing), self.mlp_layernorm)
-        return self.add_dropout_norm(x, self.mlp(normed))[0]
+            return self.add_dropout_norm(x, self.mlp(x), self.mlp_layernorm)[1], None
+        if normed is None:
+            normed = self.attention_layernorm(x)
+        x, normed = self.add_dropout_norm(x, self.self_attention(normed, padding_mask, backend, packing),
+                                          self.mlp_layernorm)
+        return self.add_dropout_norm(x, self.mlp(normed), next_layernorm)
 
 
 class TiedDecoder(nn.Module):
@@ -289,10 +298,14 @@ class Layers(nn.ModuleDict):
         return super().__getitem__(str(index))
 
 
-def _run_layers(layers, x, padding_mask, backend, packing=None):
-    for layer in layers:
-        x = layer(x, padding_mask, backend, packing)  # [b, s, h] or packed [n, h]
-    return x
+def _run_layers(steps, x, normed, padding_mask, backend, packing=None):
+    """steps: (layer, the LayerNorm its closing add also computes, or None) in order -> (x, normed)."""
+    for layer, next_layernorm in steps:
+        if next_layernorm is None and normed is None:
+            x = layer(x, padding_mask, backend, packing)  # [b, s, h] or packed [n, h]
+        else:
+            x, normed = layer.forward_chained(x, normed, next_layernorm, padding_mask, backend, packing)
+    return x, normed
 
 
 def lm_cross_entropy(logits, labels, fused=False):
@@ -361,22 +374,33 @@ class BertModel(nn.Module):
 
         Full recompute (--recompute-granularity full) keeps only the input of each group of layers and
         reruns the group's forward in the backward: uniform = groups of --recompute-num-layers layers,
-        block = the first --recompute-num-layers layers of this stage one by one, the rest stored."""
+        block = the first --recompute-num-layers layers of this stage one by one, the rest stored.
+        --residual-layernorm-fusion (pre-LN): each layer's closing add computes the next layer's LN1, the
+        last one's the final LayerNorm (on the last stage; elsewhere the next stage's first layer runs
+        its own LN1)."""
         backend = self.attention_backend(x.device)  # once per forward, shared by every layer
         layers = list(self.layers.values())
         cfg = self.config
+        after = [None] * len(layers)  # the LayerNorm each layer's closing add computes
+        if cfg.residual_layernorm_fusion and not cfg.post_ln:
+            after = [layer.attention_layernorm for layer in layers[1:]] + [
+                self.final_layernorm if self.post_process else None]
+        steps, normed = list(zip(layers, after)), None
         if cfg.recompute == "full" and torch.is_grad_enabled():
             k = cfg.recompute_num_layers or 1
-            groups = ([layers[i:i + k] for i in range(0, len(layers), k)] if cfg.recompute_method == "uniform"
-                      else [[layer] for layer in layers[:k]] + [layers[k:]])
+            groups = ([steps[i:i + k] for i in range(0, len(steps), k)] if cfg.recompute_method == "uniform"
+                      else [[step] for step in steps[:k]] + [steps[k:]])
             for j, group in enumerate(groups):
                 recomputed = cfg.recompute_method == "uniform" or j < k
-                x = checkpoint(_run_layers, group, x, padding_mask, backend, packing, use_reentrant=False) \
-                    if recomputed and group else _run_layers(group, x, padding_mask, backend, packing)
+                x, normed = checkpoint(_run_layers, group, x, normed, padding_mask, backend, packing,
+                                       use_reentrant=False) \
+                    if recomputed and group else _run_layers(group, x, normed, padding_mask, backend, packing)
         else:
-            x = _run_layers(layers, x, padding_mask, backend, packing)
+            x, normed = _run_layers(steps, x, normed, padding_mask, backend, packing)
         if self.post_process:
-            if self.final_layernorm is not None:
+            if normed is not None:
+                x = normed                      # the final LayerNorm, from the last layer's closing add
+            elif self.final_layernorm is not None:
                 x = self.final_layernorm(x)
             x = self.from_layers(x)
         return x

@@ -28,10 +28,10 @@ def batch():
     return tokens, padding, loss_mask, labels, torch.tensor([0, 1])
 
 
-def loss_and_grads(post_ln, fused, layernorm_fusion=False):
+def loss_and_grads(post_ln, fused, layernorm_fusion=False, **flags):
     cfg = Config(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=4, seq_length=SEQ, vocab_size=VOCAB,
                  hidden_dropout=0.0, attention_dropout=0.0, post_ln=post_ln, bias_dropout_fusion=fused,
-                 cross_entropy_loss_fusion=fused, layernorm_fusion=layernorm_fusion)
+                 cross_entropy_loss_fusion=fused, layernorm_fusion=layernorm_fusion, **flags)
     model = BertModel(cfg)
     tokens, padding, loss_mask, labels, is_random = batch()
     out = model(tokens, padding_mask=padding)
@@ -94,3 +94,67 @@ def test_layernorm_fusion_equals_the_plain_twin(post_ln, counted, monkeypatch):
     for name, grad in plain_grads.items():
         scale = float(grad.abs().max())
         assert float((fused_grads[name] - grad).abs().max()) <= 1e-4 * scale + 1e-7, name
+
+
+def chained_loss_and_grads(chained, **overrides):
+    cfg = Config(num_layers=3, hidden_size=HIDDEN, num_attention_heads=4, seq_length=SEQ, vocab_size=VOCAB,
+                 hidden_dropout=0.1, attention_dropout=0.0, residual_layernorm_fusion=chained, **overrides)
+    torch.manual_seed(0)
+    model = BertModel(cfg)
+    tokens, padding, loss_mask, labels, is_random = batch()
+    torch.manual_seed(1)                                   # the hidden dropout draws the same masks
+    out = model(tokens, padding_mask=padding)
+    loss = pretraining_loss(out, labels, loss_mask, is_random, cross_entropy=model.lm_cross_entropy)[0]
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("recompute", [{}, {"recompute_granularity": "full", "recompute_method": "uniform",
+                                            "recompute_num_layers": 2},
+                                       {"recompute_granularity": "full", "recompute_method": "block",
+                                        "recompute_num_layers": 1}], ids=["stored", "uniform-2", "block-1"])
+def test_residual_layernorm_fusion_is_the_same_model(recompute, monkeypatch):
+    """--residual-layernorm-fusion moves each LN1 (and the final LayerNorm) into the closing add of the layer
+    before: on the plain ops the same operations on the same tensors, so the same loss and gradients to
+    the bit, with hidden dropout on and through full recompute (groups that pass the LayerNorm on). The
+    layers after the first are handed their LN1 (recorded), so the flag is not simply ignored."""
+    handed = []
+    real = model_module.TransformerLayer.forward_chained
+    monkeypatch.setattr(model_module.TransformerLayer, "forward_chained",
+                        lambda self, x, normed, *a: handed.append(normed is not None) or real(self, x, normed, *a))
+    plain_loss, plain_grads = chained_loss_and_grads(False, **recompute)
+    assert not any(handed)
+    handed.clear()
+    loss, grads = chained_loss_and_grads(True, **recompute)
+    assert handed[:3] == [False, True, True]             # the forward (recompute reruns some layers after it)
+    assert torch.equal(loss, plain_loss)
+    for name, grad in plain_grads.items():
+        assert torch.equal(grads[name], grad), name
+
+
+def test_residual_layernorm_fusion_runs_the_next_layernorm_in_the_fused_kernel(counted, monkeypatch):
+    """On the fused path (pre-LN) every closing add takes a LayerNorm: the next layer's LN1 or the final
+    LayerNorm, so no LN1 after the first and no final LayerNorm runs on its own; same loss and gradients
+    as the fused model without it (dropout 0)."""
+    monkeypatch.setattr(model_module, "FUSED_LAYER_NORM_MIN_ELEMENTS", 0)
+    seen = []
+    real = layer_norm_kernels.dropout_add_layer_norm
+    monkeypatch.setattr(layer_norm_kernels, "dropout_add_layer_norm",
+                        lambda r, y, w, *a: seen.append(w is not None) or real(r, y, w, *a))
+    plain_loss, plain_grads = loss_and_grads(post_ln=False, fused=True)
+    assert seen == [True, False] * LAYERS                # LN2 with the mid add, nothing with the closing one
+    seen.clear()
+    loss, grads = loss_and_grads(post_ln=False, fused=True, residual_layernorm_fusion=True)
+    assert seen == [True, True] * LAYERS                 # every add with a LayerNorm
+    assert torch.allclose(loss, plain_loss, rtol=1e-5, atol=0)
+    for name, grad in plain_grads.items():
+        scale = float(grad.abs().max())
+        assert float((grads[name] - grad).abs().max()) <= 1e-4 * scale + 1e-7, name
+
+
+def test_residual_layernorm_fusion_refuses_post_ln():
+    from minibert.errors import UsageError
+    from minibert.validate import validate
+    with pytest.raises(UsageError, match="pre-LN"):
+        validate(Config(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, post_ln=True,
+                        residual_layernorm_fusion=True, micro_batch_size=1, train_iters=1, lr=1e-4), warn=None)

@@ -212,8 +212,8 @@ def test_whole_model_backends_against_local(dtype, backend):
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
 @pytest.mark.parametrize("post_ln", [False, True], ids=["pre-LN", "post-LN"])
 def test_fused_layer_norm_and_cross_entropy_equal_their_plain_twins(dtype, post_ln, monkeypatch):
-    """The whole model with --bias-dropout-fusion and --cross-entropy-loss-fusion (the defaults) and
-    --layernorm-fusion against all three off, dropout 0: the same loss and gradients up to 16-bit rounding
+    """The whole model with --bias-dropout-fusion and --cross-entropy-loss-fusion (the defaults),
+    --layernorm-fusion and (pre-LN) --residual-layernorm-fusion against all of them off, dropout 0: the same loss and gradients up to 16-bit rounding
     (the LayerNorm's and the loss's fp32 sums run in other orders)."""
     from minibert.config import Config
     from minibert.model import BertModel
@@ -223,7 +223,8 @@ def test_fused_layer_norm_and_cross_entropy_equal_their_plain_twins(dtype, post_
     for fused in (True, False):
         cfg = Config(num_layers=2, hidden_size=256, num_attention_heads=4, seq_length=256, vocab_size=1000,
                      hidden_dropout=0.0, attention_dropout=0.0, post_ln=post_ln, bias_dropout_fusion=fused,
-                     cross_entropy_loss_fusion=fused, layernorm_fusion=fused)
+                     cross_entropy_loss_fusion=fused, layernorm_fusion=fused,
+                     residual_layernorm_fusion=fused and not post_ln)
         results[fused] = loss_and_grads(BertModel(cfg).cuda().to(dtype), batch)
     (loss_a, grads_a), (loss_b, grads_b) = results[False], results[True]
     assert abs(float(loss_a - loss_b)) / float(loss_a) < 5e-3
