@@ -9,8 +9,8 @@ indexing, compiled Triton kernels) and the table gives ms per step for each, nex
     python bench/profile_steps.py --work-dir /tmp/prof --output profile_steps.md [--only base]
 
 Cases: "large" (BERT-large s512 b32, full length) and "base" (BERT-base s128 b256, full length), each
-for minibert, minibert with the four levers that are off by default (--gradient-accumulation-fusion,
---bias-gelu-fusion, --layernorm-fusion, --residual-layernorm-fusion), minibert with CUDA graphs, HF
+for minibert, minibert with the three levers that are off by default (--gradient-accumulation-fusion,
+--bias-gelu-fusion, --layernorm-fusion), minibert with CUDA graphs, HF
 eager and HF compiled; and "default" (BERT-large s512 b32 on
 Megatron's samples of the default corpus: minibert packed, and with CUDA graphs). A graphed contender
 gives its wall clock only, which shows the host's share next to the eager one's; the profiler's view of

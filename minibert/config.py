@@ -63,11 +63,13 @@ class Config:
                                           "and the weight gradient in one pass (timed: +3% at BERT-large, "
                                           "-10% at BERT-base, host-paced); off: nn.LayerNorm",
                                    action=argparse.BooleanOptionalAction)
-    residual_layernorm_fusion: bool = _flag(False, "pre-LN: the residual add that ends each layer also computes the "
-                                                   "next layer's LN1 (the last layer's: the final LayerNorm), in "
-                                                   "the kernel of --bias-dropout-fusion on a GPU; the same math, "
-                                                   "one launch and one pass fewer per layer; off (until timed "
-                                                   "on a GPU): each layer runs its own LN1",
+    residual_layernorm_fusion: bool = _flag(True, "pre-LN: the residual add that ends each layer also computes the "
+                                                  "next layer's LN1 (the last layer's: the final LayerNorm), in "
+                                                  "the kernel of --bias-dropout-fusion on a GPU; the same math, "
+                                                  "one launch and one pass fewer per layer (timed on an H200: "
+                                                  "+2.7% BERT-large, +3.8% BERT-base with CUDA graphs); no "
+                                                  "effect with --post-ln, whose LayerNorms already follow the "
+                                                  "add; off: each layer runs its own LN1",
                                             action=argparse.BooleanOptionalAction)
     cross_entropy_loss_fusion: bool = _flag(True, "on a GPU in fp16/bf16: the LM loss in one Triton kernel that "
                                                   "reads the logits once (minibert.kernels.cross_entropy; "

@@ -220,8 +220,13 @@ class TransformerLayer(nn.Module):
             x = x + F.dropout(y, p, self.training)
         return x, None if layernorm is None else layernorm(x)
 
-    def forward(self, x, padding_mask, backend, packing=None):  # x [b, s, h] (packed: [n, h]) -> same
-        return self.forward_chained(x, None, None, padding_mask, backend, packing)[0]
+    def forward(self, x, padding_mask, backend, packing=None, normed=None, next_layernorm=None):
+        """x [b, s, h] (packed: [n, h]) -> the same shape; chained (normed or next_layernorm given: see
+        forward_chained) -> (x, next_layernorm(x) or None). Both go through the module call, so forward
+        hooks see every layer."""
+        if normed is None and next_layernorm is None:
+            return self.forward_chained(x, None, None, padding_mask, backend, packing)[0]
+        return self.forward_chained(x, normed, next_layernorm, padding_mask, backend, packing)
 
     def forward_chained(self, x, normed, next_layernorm, padding_mask, backend, packing=None):
         """-> (x, next_layernorm(x) or None). In pre-LN each layer ends with a residual add and no
@@ -301,10 +306,10 @@ class Layers(nn.ModuleDict):
 def _run_layers(steps, x, normed, padding_mask, backend, packing=None):
     """steps: (layer, the LayerNorm its closing add also computes, or None) in order -> (x, normed)."""
     for layer, next_layernorm in steps:
-        if next_layernorm is None and normed is None:
-            x = layer(x, padding_mask, backend, packing)  # [b, s, h] or packed [n, h]
+        if next_layernorm is None and normed is None:           # nothing handed on: a plain layer
+            x = layer(x, padding_mask, backend, packing)        # [b, s, h] or packed [n, h]
         else:
-            x, normed = layer.forward_chained(x, normed, next_layernorm, padding_mask, backend, packing)
+            x, normed = layer(x, padding_mask, backend, packing, normed=normed, next_layernorm=next_layernorm)
     return x, normed
 
 

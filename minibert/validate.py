@@ -45,9 +45,6 @@ def validate(cfg: Config, world_size: int = 1, device_type: str = "cpu", warn=_w
         raise UsageError("--fp16 and --bf16 are exclusive: pick one")
     if cfg.lr_warmup_fraction is not None and cfg.lr_warmup_iters:
         raise UsageError("--lr-warmup-fraction and --lr-warmup-iters are exclusive: pick one")
-    if cfg.residual_layernorm_fusion and cfg.post_ln:
-        raise UsageError("--residual-layernorm-fusion is for pre-LN layers (post-LN already normalises after "
-                         "every residual add): drop one of the two flags")
     parse_split(cfg.split)
     if cfg.data_path is not None:
         from minibert.blended_dataset import parse_data_path  # one prefix, or weights and prefixes

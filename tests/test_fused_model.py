@@ -84,12 +84,18 @@ def test_small_tensors_keep_the_plain_layer_norm(counted):
 def test_layernorm_fusion_equals_the_plain_twin(post_ln, counted, monkeypatch):
     """--layernorm-fusion on top of the other fused kernels: the LayerNorms that follow no residual add
     take kernels.layer_norm.layer_norm (pre-LN: each layer's LN1, the final LayerNorm and the LM head's;
-    post-LN: the embeddings' and the LM head's), with the same loss and gradients as nn.LayerNorm."""
+    post-LN: the embeddings' and the LM head's), with the same loss and gradients as nn.LayerNorm. With
+    pre-LN's LayerNorms chained (--residual-layernorm-fusion, the default) only the first layer's LN1 and
+    the LM head's are left to it."""
     monkeypatch.setattr(model_module, "FUSED_LAYER_NORM_MIN_ELEMENTS", 0)
-    plain_loss, plain_grads = loss_and_grads(post_ln, fused=True)
+    plain_loss, plain_grads = loss_and_grads(post_ln, fused=True, residual_layernorm_fusion=False)
     assert counted["layer_norm alone"] == 0
-    fused_loss, fused_grads = loss_and_grads(post_ln, fused=True, layernorm_fusion=True)
+    fused_loss, fused_grads = loss_and_grads(post_ln, fused=True, layernorm_fusion=True,
+                                             residual_layernorm_fusion=False)
     assert counted["layer_norm alone"] == (2 if post_ln else LAYERS + 2)
+    counted.update(dict.fromkeys(counted, 0))
+    loss_and_grads(post_ln, fused=True, layernorm_fusion=True)
+    assert counted["layer_norm alone"] == 2
     assert torch.allclose(fused_loss, plain_loss, rtol=1e-5, atol=0)
     for name, grad in plain_grads.items():
         scale = float(grad.abs().max())
@@ -141,7 +147,7 @@ def test_residual_layernorm_fusion_runs_the_next_layernorm_in_the_fused_kernel(c
     real = layer_norm_kernels.dropout_add_layer_norm
     monkeypatch.setattr(layer_norm_kernels, "dropout_add_layer_norm",
                         lambda r, y, w, *a: seen.append(w is not None) or real(r, y, w, *a))
-    plain_loss, plain_grads = loss_and_grads(post_ln=False, fused=True)
+    plain_loss, plain_grads = loss_and_grads(post_ln=False, fused=True, residual_layernorm_fusion=False)
     assert seen == [True, False] * LAYERS                # LN2 with the mid add, nothing with the closing one
     seen.clear()
     loss, grads = loss_and_grads(post_ln=False, fused=True, residual_layernorm_fusion=True)
@@ -152,9 +158,17 @@ def test_residual_layernorm_fusion_runs_the_next_layernorm_in_the_fused_kernel(c
         assert float((grads[name] - grad).abs().max()) <= 1e-4 * scale + 1e-7, name
 
 
-def test_residual_layernorm_fusion_refuses_post_ln():
-    from minibert.errors import UsageError
-    from minibert.validate import validate
-    with pytest.raises(UsageError, match="pre-LN"):
-        validate(Config(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, post_ln=True,
-                        residual_layernorm_fusion=True, micro_batch_size=1, train_iters=1, lr=1e-4), warn=None)
+def test_residual_layernorm_fusion_is_on_by_default_and_no_op_for_post_ln(monkeypatch):
+    """On by default (pre-LN); with --post-ln, whose LayerNorms already follow each add, nothing is handed
+    on: the same calls, loss and gradients as with it off."""
+    assert Config().residual_layernorm_fusion
+    handed = []
+    real = model_module.TransformerLayer.forward_chained
+    monkeypatch.setattr(model_module.TransformerLayer, "forward_chained",
+                        lambda self, x, normed, *a: handed.append(normed is not None) or real(self, x, normed, *a))
+    plain_loss, plain_grads = chained_loss_and_grads(False, post_ln=True)
+    loss, grads = chained_loss_and_grads(True, post_ln=True)
+    assert not any(handed)
+    assert torch.equal(loss, plain_loss)
+    for name, grad in plain_grads.items():
+        assert torch.equal(grads[name], grad), name

@@ -83,9 +83,12 @@ def _record(module, store, key):
     return module.register_forward_hook(lambda m, args, out: store.update({key + ".in": args[0], key + ".out": out}))
 
 
-def test_pre_ln_structure():
-    """Megatron: no embedding LayerNorm, LN1 sees the raw residual stream, a final LayerNorm makes `hidden`."""
-    model, seen = tiny_model(post_ln=False), {}
+@pytest.mark.parametrize("chained", [False, True], ids=["own-LN1", "chained"])
+def test_pre_ln_structure(chained):
+    """Megatron: no embedding LayerNorm, LN1 sees the raw residual stream, a final LayerNorm makes `hidden`.
+    Chained (--residual-layernorm-fusion, the default), the last layer's call returns its output with the
+    final LayerNorm of it, and forward hooks still see every layer."""
+    model, seen = tiny_model(post_ln=False, residual_layernorm_fusion=chained), {}
     assert model.embedding.layernorm is None and model.final_layernorm is not None
     layer = model.layers[0]
     for key, module in [("emb", model.embedding), ("ln1", layer.attention_layernorm),
@@ -94,7 +97,11 @@ def test_pre_ln_structure():
     out = model(make_batch()["tokens"])
     assert torch.equal(seen["ln1.in"], seen["emb.out"])  # LN before attention, on the stream itself
     assert torch.equal(seen["attn.in"], seen["ln1.out"])
-    expected = F.layer_norm(seen["last.out"], (32,), model.final_layernorm.weight, model.final_layernorm.bias,
+    last = seen["last.out"]
+    if chained:
+        last, normed = last
+        assert torch.equal(out.hidden, normed)
+    expected = F.layer_norm(last, (32,), model.final_layernorm.weight, model.final_layernorm.bias,
                             model.config.layernorm_epsilon)
     torch.testing.assert_close(out.hidden, expected)
 

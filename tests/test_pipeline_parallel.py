@@ -1,6 +1,6 @@
 """Pipeline parallelism through `torchrun minibert/train.py` on CPU (gloo, fp32, dropout off, 8 iterations):
 PP 2 and PP 4 with 1F1B and AFAB, interleaved PP 2 with 2 virtual stages (and --gradient-accumulation-
-fusion), TP 2 x PP 2 (and --residual-layernorm-fusion), DP 2 x PP 2 and
+fusion), TP 2 x PP 2 (and --no-residual-layernorm-fusion; the others chain the LayerNorms), DP 2 x PP 2 and
 TP 2 x PP 2 x DP 2 (8 processes) give the single-process losses and grad norms (relative 1e-5); runs
 with dropout, stopped and resumed, log the unbroken runs' lines; checkpoints are mp_rank_TT_PPP with
 full-model names; --pipeline-trace prints each rank's sends and receives; bad splits exit 2."""
@@ -21,7 +21,7 @@ LAYOUTS = {
     "pp2-interleaved": (2, ["--pipeline-model-parallel-size", 2, "--num-layers-per-virtual-pipeline-stage", 1,
                             "--gradient-accumulation-fusion"]),  # fused weights, the tied table not
     "tp2-pp2": (4, ["--pipeline-model-parallel-size", 2, "--tensor-model-parallel-size", 2, "--sequence-parallel",
-                    "--residual-layernorm-fusion"]),  # LN1 from the add before it, but not across a stage edge
+                    "--no-residual-layernorm-fusion"]),  # each layer's own LN1 (the others: chained, the default)
     "dp2-pp2": (4, ["--pipeline-model-parallel-size", 2, "--use-distributed-optimizer"]),
     "tp2-pp2-dp2": (8, ["--pipeline-model-parallel-size", 2, "--tensor-model-parallel-size", 2,
                         "--num-layers-per-virtual-pipeline-stage", 1, "--use-distributed-optimizer",

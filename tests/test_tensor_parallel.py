@@ -1,7 +1,7 @@
 """Tensor parallelism on CPU (gloo): every layer against nn.Linear / nn.Embedding / F.cross_entropy at TP 2
 and 4 (tests/distributed/check_tp_layers.py), the layout-invariant init, the collectives per layer, and the
 whole model through `torchrun minibert/train.py`: TP 2, TP 4, TP 2 with sequence parallelism (and
---residual-layernorm-fusion), TP 2 x DP 2 (with --gradient-accumulation-fusion) give the single-process
+--no-residual-layernorm-fusion: the others chain the LayerNorms, the default), TP 2 x DP 2 (with --gradient-accumulation-fusion) give the single-process
 losses and grad norms (relative 1e-5); a TP 2 run with dropout, stopped and resumed, logs the unbroken run's lines; bad layouts exit 2 on every rank before any collective."""
 import os
 import re
@@ -17,7 +17,7 @@ LAYOUTS = {
     "tp2": (2, ["--tensor-model-parallel-size", 2]),
     "tp4": (4, ["--tensor-model-parallel-size", 4]),
     "tp2-sp": (2, ["--tensor-model-parallel-size", 2, "--sequence-parallel",
-                   "--residual-layernorm-fusion"]),  # the chained LayerNorms on the sequence-parallel shards
+                   "--no-residual-layernorm-fusion"]),  # each layer's own LN1 (the others: chained, the default)
     "tp2-dp2": (4, ["--tensor-model-parallel-size", 2, "--use-distributed-optimizer",
                     "--gradient-accumulation-fusion"]),  # the column-parallel weights' grads into main_grad
 }
