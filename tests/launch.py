@@ -11,8 +11,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN_PY = os.path.join(ROOT, "minibert", "train.py")
 TIMEOUT = 240  # seconds for one launch: the slowest (8 processes on 2 cores) takes ~60
 # A test that every rank prints its own error line gives torchrun this long between checks of its
-# workers: at torchrun's 0.1 s the first rank to exit had the other stopped before it printed (seen once
-# under load, 2026-12-02); each rank still exits at once, the interval only delays torchrun's teardown.
+# workers: at torchrun's 0.1 s the first rank to exit had the other stopped before it printed (seen
+# under load, 2026-12-02, in the layout-error tests and in test_faults' exception test); each rank still
+# exits at once, the interval only delays torchrun's teardown.
 EVERY_RANK_SPEAKS = 5
 
 

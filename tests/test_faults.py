@@ -128,7 +128,7 @@ def test_sigterm_on_one_rank_stops_every_rank_together(tiny_data, tmp_path):
 def test_a_killed_rank_makes_the_others_stop_naming_it(tiny_data, tmp_path):
     # torchrun's own monitor would SIGTERM rank 0 within 0.1 s of rank 1's death, before rank 0's next
     # collective fails (a race seen once on 2 loaded cores): checked every 5 s, rank 0 speaks first
-    process = start(2, args(tiny_data, "--train-iters", 100000), monitor_interval=5)
+    process = start(2, args(tiny_data, "--train-iters", 100000), monitor_interval=launch.EVERY_RANK_SPEAKS)
     time.sleep(12.0)
     workers = worker_pids(process.pid)
     killed_at = time.time()
@@ -143,7 +143,8 @@ def test_a_killed_rank_makes_the_others_stop_naming_it(tiny_data, tmp_path):
 def test_an_exception_on_one_rank_is_printed_once_with_its_rank(tiny_data, tmp_path):
     script = os.path.join(ROOT, "tests", "distributed", "raise_on_rank.py")
     arguments = args(tiny_data, "--train-iters", 20)
-    result = subprocess.run(launch.torchrun_command(2, arguments)[:-len(arguments) - 1] + [script] + arguments,
+    launcher = launch.torchrun_command(2, arguments, monitor_interval=launch.EVERY_RANK_SPEAKS)
+    result = subprocess.run(launcher[:-len(arguments) - 1] + [script] + arguments,
                             capture_output=True, text=True, env=launch.env(), cwd=ROOT, timeout=120)
     assert result.returncode != 0
     assert result.stderr.count("[rank 1] RuntimeError: injected fault on rank 1") == 1
