@@ -488,14 +488,12 @@ def section_5(settings):
         base = "minibert, CUDA graphs"
         for lever in list(LEVERS_GRAPHED)[1:]:
             flag = lever.replace(base + " ", "")
-            if flag.startswith("--no-"):  # a lever on by default: the gain of what the contender turns off
-                rows += print_rows([row(f"{label}: all fusions / {flag}, both with CUDA graphs",
-                                        speed[base] / speed[lever], "x", "seq/s ratio: the gain of what that "
-                                        "contender turns off, host launch cost gone")])
-            else:
-                rows += print_rows([row(f"{label}: {flag} / all fusions, both with CUDA graphs",
-                                        speed[lever] / speed[base], "x", "seq/s ratio: the gain of what that "
-                                        "contender turns on, host launch cost gone")])
+            off = flag.startswith("--no-")  # a lever on by default: the gain of what the contender turns off
+            ratio, what = (f"all fusions / {flag}", "off") if off else (f"{flag} / all fusions", "on")
+            gain = speed[base] / speed[lever] if off else speed[lever] / speed[base]
+            rows += print_rows([row(f"{label}: {ratio}, both with CUDA graphs", gain, "x",
+                                    f"seq/s ratio: the gain of what that contender turns {what}, host launch "
+                                    "cost gone")])
     return rows
 
 

@@ -77,7 +77,8 @@ def test_stopped_and_resumed_tp2_with_dropout_logs_the_unbroken_run(tiny_data, t
     (["--tensor-model-parallel-size", 3], "cannot be split into TP x PP = 3 x 1"),
 ])
 def test_bad_tensor_parallel_layouts_exit_2_on_every_rank(tiny_data, tmp_path, flags, message):
-    result = launch.run(2, layout_args(tiny_data, tmp_path / "tb", *flags), timeout=120)
+    result = launch.run(2, layout_args(tiny_data, tmp_path / "tb", *flags), timeout=120,
+                        monitor_interval=launch.EVERY_RANK_SPEAKS)
     errors = launch.error_lines(result.stderr)
     assert result.returncode != 0 and "exitcode  : 2" in result.stderr
     assert len(errors) == 2 and all(message in e for e in errors), errors

@@ -190,7 +190,7 @@ def test_a_nan_on_one_tensor_parallel_rank_stops_every_rank(tiny_data, tmp_path)
     manifest.update(entries)
     write_manifest(directory, manifest)
     result = launch.run(2, args(tiny_data, "--train-iters", 4, "--tensor-model-parallel-size", 2, "--load", save,
-                                "--save", save))
+                                "--save", save), monitor_interval=launch.EVERY_RANK_SPEAKS)
     errors = launch.error_lines(result.stderr)
     assert result.returncode != 0 and len(errors) == 2 and all("iteration 3:" in e and "not finite" in e
                                                                for e in errors), result.stderr[-3000:]
