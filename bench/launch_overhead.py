@@ -64,7 +64,7 @@ def cases(device):
     cu = torch.tensor([0, 40, 64], dtype=torch.int32, device=device)
     grad_out = torch.randn(n, heads, d, device=device, dtype=torch.bfloat16)
     q, k, v = rows.unbind(2)  # [n, heads, d] views, as FlashAttentionVarlen launches them
-    tile = pick_tiles(d, torch.bfloat16, True)[0]
+    tile = pick_tiles(d, torch.bfloat16)[0]
     varlen = Varlen(cu, 2, 64)
     res = torch.randn(n, h, device=device, dtype=torch.bfloat16)
     y = torch.randn(n, h, device=device, dtype=torch.bfloat16)

@@ -29,8 +29,8 @@ Masking: padding_mask is bool [b, s], True = padding, and masks *keys* only (a p
 to the real keys; its output is never used by the loss). The plain backends fill masked scores with
 finfo.min, not -inf: a row whose keys are all padding then gives a uniform softmax instead of NaN.
 
-Dropout: local/unfused/fused drop with torch's RNG, flash with Philox numbers inside the kernel (seeded
-from torch's generator). Each is repeatable under torch.manual_seed; across backends the dropped entries
+Dropout: local/unfused/fused drop with torch's RNG, flash with a hash of each element's position inside
+the kernel (keyed by a seed from torch's generator). Each is repeatable under torch.manual_seed; across backends the dropped entries
 differ, so with dropout on they agree in distribution, not bit for bit.
 
 The Triton kernels are imported only when their backend runs, so a CPU-only install without them
@@ -91,7 +91,7 @@ def attention(q, k, v, padding_mask=None, *, backend="local", dropout_p=0.0):
         return torch.matmul(probs, v)  # [b, heads, s, s] @ [b, heads, s, d] -> [b, heads, s, d]
     if backend == "flash":
         from minibert.kernels.flash_attention import flash_attention
-        # dropout: the kernel's Philox seed is drawn from torch's CPU generator, so torch.manual_seed
+        # dropout: the kernel's dropout seed is drawn from torch's CPU generator, so torch.manual_seed
         # makes a run repeatable, as with the other backends' dropout (on the device while a CUDA graph
         # is captured: kernels/dropout.py, draw_seed)
         return flash_attention(q, k, v, padding_mask, scale, dropout_p)

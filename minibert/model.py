@@ -207,8 +207,8 @@ class TransformerLayer(nn.Module):
 
         On a GPU in fp16/bf16 (and --bias-dropout-fusion, the default), for tensors of at least
         FUSED_LAYER_NORM_MIN_ELEMENTS, one Triton kernel does all three, reading x and y once and writing
-        the sum and its normalised copy (minibert.kernels.layer_norm; its dropout draws Philox numbers
-        from a seed taken from torch's generator, so the dropped entries differ from F.dropout's, not
+        the sum and its normalised copy (minibert.kernels.layer_norm; its dropout hashes each element's
+        position under a seed taken from torch's generator, so the dropped entries differ from F.dropout's, not
         their distribution). Everywhere else: the plain ops, its twin."""
         p = self.dropout if self.training else 0.0
         with self.rng_context():

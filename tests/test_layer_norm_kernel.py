@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from minibert.errors import UsageError
-from minibert.kernels.dropout import dropout_mask, effective_dropout_p
+from minibert.kernels.dropout import dropout_mask, effective_dropout_p, reference_keep_mask
 from minibert.kernels.layer_norm import (Tile, _DropoutAddLayerNorm, dropout_add_layer_norm,
                                          dropout_add_layer_norm_reference, hidden_dropout_keep_mask, layer_norm)
 
@@ -219,10 +219,11 @@ def test_mask_does_not_depend_on_tiles():
 
 
 def test_mask_is_attention_dropout_with_one_stream():
-    """Row r, column c uses attention dropout's counter with bh = 0, seq_len = h: the first rows of the
-    [1, 1, h, h] attention mask."""
+    """Row r, column c uses attention dropout's counter with stream 0 and width h: the first rows of the
+    [1, 1, h, h] attention mask, and reference_keep_mask's plain-torch decisions."""
     for h, rows in ((40, 17), (100, 100)):
         assert torch.equal(hidden_dropout_keep_mask(rows, h, 11, 0.3), dropout_mask(1, 1, h, 11, 0.3)[0, 0, :rows])
+        assert torch.equal(hidden_dropout_keep_mask(rows, h, 11, 0.3), reference_keep_mask(11, 0, rows, h, 0.3))
 
 
 @pytest.mark.parametrize("p", [0.1, 0.5])

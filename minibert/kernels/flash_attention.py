@@ -34,16 +34,16 @@ still loaded per block and applied as a -1e30 bias, so any mask (holes, left pad
 rather than -inf keeps exp2(-1e30 - m) exactly 0 without inf - inf = NaN. A fully padded batch row has
 kv_len = 0: its output is 0 and its gradients are 0, never NaN.
 
-Dropout on P happens inside the kernel, drawn from Philox (tl.randint4x), a counter-based generator: its
-output is a pure function of (seed, counter), so the backward redraws the forward's mask and no mask is
-stored. One Philox call (10 rounds, ~60 integer instructions) yields 128 random bits; we cut them into eight
-16-bit numbers u and spend them on 8 neighbouring keys of one query row (minibert/kernels/dropout.py):
-    counter = (bh * s + query) * ceil(s / 8) + key // 8,    kept iff u >= t = round(65536 p)
-so the dropout rate is t / 65536 (p rounded to a multiple of 1/65536: 0.1 -> 0.100006) and the counter
-depends on the element alone, never on the tile sizes. Spreading one call over 8 keys costs moving bits
-between threads (the compiler routes the keep-mask through shared memory); the loops still run ~2.2x fewer
-instructions than with one call per element (sm_90 code). The running sum l uses the undropped P (dropout
-acts after softmax); kept values are scaled by 1 / (1 - t / 65536) once, on the output.
+Dropout on P happens inside the kernel, from a counter-based generator: each keep/drop decision is a pure
+function of (seed, batch*head, query, key), so the backward redraws the forward's mask and no mask is
+stored. The function is a keyed 32-bit integer hash (minibert/kernels/dropout.py):
+    counter = query * s + key,   x = hash(counter; keys from seed and batch*head),   kept iff x >= 2t
+with t = round(p * 2^31), so the dropout rate is t / 2^31 and the decision depends on the element alone,
+never on the tile sizes. Each thread hashes the scores it holds, in the layout the tensor cores left them
+in, for ~9 integer instructions per score and no data moved between threads. (Philox, the usual generator,
+costs ~60 instructions per call: sharing one call between 8 keys needed the bits moved through shared
+memory, and took 0.87 ms fwd+bwd against this hash's 0.64 at BERT-large's full-length shapes on an H200.) The running sum l uses the undropped P (dropout acts
+after softmax); kept values are scaled by 1 / (1 - t / 2^31) once, on the output.
 
 3. What production does (and we leave to Triton's compiler)
 -----------------------------------------------------------
@@ -53,8 +53,8 @@ one warpgroup's softmax hides under the other's matmul, and FP8. Triton pipeline
 and emits wgmma on Hopper by itself; we keep plain pointer loads so one kernel runs everywhere. FA2 draws
 one Philox call per 16 dropout decisions (8-bit thresholds: p rounded to a multiple of 1/256) and gives
 each thread the bits of its own elements (the thread index is part of the counter), so no bits move but the
-mask depends on the kernel's thread layout; ours is independent of tiles and warps, which lets each kernel
-pick its own. FA2 also takes unpadded "varlen" batches (cu_seqlens) that skip padding without masking; these
+mask depends on the kernel's thread layout; our hash gets the same "no bits move" from one cheap call per
+element, and its mask is independent of tiles and warps, which lets each kernel pick its own. FA2 also takes unpadded "varlen" batches (cu_seqlens) that skip padding without masking; these
 kernels do too, compiled with VARLEN=True (flash_attention_varlen.py explains the layout).
 """
 import functools
@@ -67,8 +67,8 @@ import triton.language as tl
 
 from minibert.errors import UsageError
 from minibert.kernels import interpreting
-from minibert.kernels.dropout import (_dropout_keep, dropout_threshold, effective_dropout_p, kernel_seed,
-                                      seed_in_memory)
+from minibert.kernels.dropout import (_dropout_keep, _dropout_keys, check_counter_range, dropout_threshold,
+                                      effective_dropout_p, kernel_seed, seed_in_memory)
 
 LOG2_E = math.log2(math.e)  # exp(x) = exp2(x * LOG2_E): the scale absorbs it
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -181,6 +181,7 @@ def _attention_forward_kernel(
         seed = tl.load(seed)
     bh, start_m, batch, head, kv_len, token0 = _program_block(KV_LEN, n_heads, seq_len, BLOCK_M, HAS_PAD, VARLEN)
     row_end = _row_end(kv_len, seq_len, VARLEN)
+    k1, k2, keep_limit = _dropout_keys(seed, bh, threshold)   # this (batch, head)'s dropout stream
 
     rows = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
@@ -219,7 +220,7 @@ def _attention_forward_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
         if DROPOUT:
-            p = tl.where(_dropout_keep(seed, bh, rows, start_n, seq_len, threshold, BLOCK_N), p, 0.0)
+            p = tl.where(_dropout_keep(k1, k2, keep_limit, rows[:, None], cols[None, :], seq_len), p, 0.0)
         acc = tl.dot(p.to(V.dtype.element_ty), v, acc)
         m_i = m_new
 
@@ -244,8 +245,7 @@ class Tile(NamedTuple):
 # Candidates per head-dim block (16/32/64 use the 64 list) and kernel, for the GPU sweep
 # (bench/attention_bench.py --sweep); the FIRST of each list is the default. All compile for sm_90 with
 # triton 3.6 without register spills (ptxas -v); 128-wide heads need fewer rows per warp. With dropout the
-# default dkdv tiles spill 0-28 bytes (one Philox call per element spilled 32-56). Every block_n is a
-# multiple of 8, the keys one dropout Philox call serves.
+# d64 defaults spill 40 bytes (forward) and none (dq, dkdv), compiled for sm_90 with triton 3.6.
 TILE_CANDIDATES = {
     # d <= 64: the first of each list won `bench/attention_bench.py --sweep` on an H200 (2026-11-30, triton
     # 3.6, b32 h16 s512 d64 bf16, key lengths U[256, 512], CUDA-graph timing): forward 104 us, dq 112 us,
@@ -275,29 +275,20 @@ def head_dim_block(d):
     return max(16, triton.next_power_of_2(d))
 
 
-# With dropout the 4-warp forward tiles spill (ptxas, triton 3.6, d64: 64x128 232 bytes, 128x64 104 bytes:
-# moving the keep-mask between threads needs registers) and the 8-warp ones do not (244 and 253 registers),
-# yet at d64 the spilling 64x128x4w tile was the fastest on the H200 (2026-11-30, dropout 0.1, b32 h16 s512,
-# lengths U[256,512], fwd+bwd 0.700 ms vs 0.744 ms for 128x64x8w, CUDA-graph timing).
-# `bench/attention_bench.py --sweep --dropout 0.1` on the H200 (2026-12-02 01:06 UTC, same shapes) kept the
-# forward (195.9 us) and dkdv (245.2 us) defaults and moved dq to 128x32x4w (224.0 us against 250.0 us for
-# the no-dropout default 64x32). d128 keeps the 8-warp forward tile (not timed with dropout).
-DROPOUT_TILES = {64: {"forward": Tile(64, 128, 4, 3), "dq": Tile(128, 32, 4, 4)},
-                 128: {"forward": Tile(128, 64, 8, 2)}}
-
-
+# With dropout the defaults stay: `bench/attention_bench.py --sweep --dropout 0.1` on the H200 (2026-12-02
+# 18:15 UTC, b32 h16 s512 d64, lengths U[256,512]) found the same three tiles fastest (forward 136.6 us, dq
+# 142.5 us, dkdv 192.5 us), since the dropout hash adds no registers to move bits between threads. (With
+# the earlier Philox draw, shared by 8 keys, the forward spilled and dq wanted 128x32.)
 @functools.lru_cache(maxsize=None)
-def pick_tiles(head_dim, dtype, dropout=False):
-    """(forward, dq, dkdv) tiles for this head dim and dtype."""
+def pick_tiles(head_dim, dtype):
+    """(forward, dq, dkdv) tiles for this head dim and dtype, with or without dropout."""
     if interpreting():
         return INTERPRETER_TILES
     if dtype == torch.float32:
         return FP32_TILES
     width = max(64, head_dim_block(head_dim))
-    tiles = {kernel: candidates[0] for kernel, candidates in TILE_CANDIDATES[width].items()}
-    if dropout:
-        tiles.update(DROPOUT_TILES[width])
-    return tiles["forward"], tiles["dq"], tiles["dkdv"]
+    tiles = TILE_CANDIDATES[width]
+    return tiles["forward"][0], tiles["dq"][0], tiles["dkdv"][0]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -331,6 +322,8 @@ def check_inputs(q, k, v, padding_mask, dropout_p):
                          f"{padding_mask.dtype} {tuple(padding_mask.shape)} on {padding_mask.device}")
     if not 0.0 <= dropout_p < 1.0:
         raise UsageError(f"flash_attention: dropout_p must be in [0, 1); got {dropout_p}")
+    if dropout_p > 0:
+        check_counter_range(q.shape[2] * q.shape[2])
 
 
 def prepare_padding(padding_mask):
@@ -404,7 +397,7 @@ class FlashAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, padding_mask, scale, dropout_p, seed):
         q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
         bias, kv_len = prepare_padding(padding_mask) if padding_mask is not None else (None, None)
-        tiles = pick_tiles(q.shape[-1], q.dtype, dropout_p > 0)
+        tiles = pick_tiles(q.shape[-1], q.dtype)
         out, lse = attention_forward(q, k, v, bias, kv_len, scale, dropout_p, seed, tiles[0])
         ctx.save_for_backward(q, k, v, out, lse, bias, kv_len)
         ctx.scale, ctx.dropout_p, ctx.seed, ctx.tiles = scale, dropout_p, seed, tiles
@@ -425,8 +418,8 @@ def flash_attention(q, k, v, padding_mask=None, scale=None, dropout_p=0.0, seed=
 
     padding_mask: bool [b, s], True = padding key (its probability is 0). Output rows of padded queries are
     unspecified but finite (zeros in query blocks entirely past the last real key); their gradients assume
-    the loss ignores them. scale defaults to 1/sqrt(d). dropout_p drops attention probabilities in-kernel (Philox; the rate is
-    rounded to a multiple of 1/65536, see dropout_threshold); seed=None draws one from torch's CPU generator
+    the loss ignores them. scale defaults to 1/sqrt(d). dropout_p drops attention probabilities in-kernel (a keyed hash per
+    element; the rate is rounded to a multiple of 2^-31, see dropout_threshold); seed=None draws one from torch's CPU generator
     (so torch.manual_seed makes runs repeatable; kernels/dropout.py: draw_seed, also for CUDA graphs); the
     same seed gives the same output and gradients.
     Head dims: multiples of 8 in [16, 128]. Returns [b, heads, s, d].

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minibert.kernels.dropout import _dropout_keep, dropout_threshold, effective_dropout_p, seed_in_memory
+from minibert.kernels.dropout import _dropout_keep, _dropout_keys, dropout_threshold, effective_dropout_p, seed_in_memory
 from minibert.kernels.flash_attention import (LOG2_E, _key_bias, _program_block, _row_end, _sample_start,
                                               grid_layout, head_dim_block, strides)
 
@@ -48,6 +48,7 @@ def _attention_backward_dq_kernel(
         seed = tl.load(seed)
     bh, start_m, batch, head, kv_len, token0 = _program_block(KV_LEN, n_heads, seq_len, BLOCK_M, HAS_PAD, VARLEN)
     row_end = _row_end(kv_len, seq_len, VARLEN)
+    k1, k2, keep_limit = _dropout_keys(seed, bh, threshold)        # the forward's dropout stream
 
     rows = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
@@ -87,7 +88,7 @@ def _attention_backward_dq_kernel(
         p = tl.math.exp2(s - lse[:, None])                                                 # P, recomputed
         dp = tl.dot(do, tl.trans(v))                                                       # dO V^T
         if DROPOUT:
-            keep = _dropout_keep(seed, bh, rows, start_n, seq_len, threshold, BLOCK_N)      # [BLOCK_M, BLOCK_N]
+            keep = _dropout_keep(k1, k2, keep_limit, rows[:, None], cols[None, :], seq_len)  # [BLOCK_M, BLOCK_N]
             dp = tl.where(keep, dp * keep_scale, 0.0)
         ds = p * (dp - delta[:, None])
         dq = tl.dot(ds.to(K.dtype.element_ty), k, dq)
@@ -107,6 +108,7 @@ def _attention_backward_dkdv_kernel(
     if SEED_IN_MEMORY:                                         # a CUDA graph's seed (kernels/dropout.py)
         seed = tl.load(seed)
     bh, start_n, batch, head, kv_len, token0 = _program_block(KV_LEN, n_heads, seq_len, BLOCK_N, HAS_PAD, VARLEN)
+    k1, k2, keep_limit = _dropout_keys(seed, bh, threshold)        # the forward's dropout stream
 
     cols = start_n + tl.arange(0, BLOCK_N)                     # this program's keys
     offs_m = tl.arange(0, BLOCK_M)
@@ -144,7 +146,7 @@ def _attention_backward_dkdv_kernel(
         p_t = tl.math.exp2(tl.dot(k, tl.trans(q)) * qk_scale - lse[None, :])              # P^T [BLOCK_N, BLOCK_M]
         dp_t = tl.dot(v, tl.trans(do))                                                     # (dO V^T)^T
         if DROPOUT:
-            keep = tl.trans(_dropout_keep(seed, bh, rows, start_n, seq_len, threshold, BLOCK_N))  # [BLOCK_N, BLOCK_M]
+            keep = _dropout_keep(k1, k2, keep_limit, rows[None, :], cols[:, None], seq_len)  # [BLOCK_N, BLOCK_M]
             dv = tl.dot(tl.where(keep, p_t, 0.0).to(DO.dtype.element_ty), do, dv)
             dp_t = tl.where(keep, dp_t * keep_scale, 0.0)
         else:

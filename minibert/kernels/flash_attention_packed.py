@@ -27,7 +27,7 @@ class FlashAttentionQKV(torch.autograd.Function):
     def forward(ctx, qkv, padding_mask, scale, dropout_p, seed):
         q, k, v = _views(qkv)
         bias, kv_len = prepare_padding(padding_mask) if padding_mask is not None else (None, None)
-        tiles = pick_tiles(q.shape[-1], q.dtype, dropout_p > 0)
+        tiles = pick_tiles(q.shape[-1], q.dtype)
         out, lse = attention_forward(q, k, v, bias, kv_len, scale, dropout_p, seed, tiles[0])
         ctx.save_for_backward(qkv, out, lse, bias, kv_len)
         ctx.scale, ctx.dropout_p, ctx.seed, ctx.tiles = scale, dropout_p, seed, tiles

@@ -42,7 +42,7 @@ class FlashAttentionVarlen(torch.autograd.Function):
     def forward(ctx, qkv, cu_seqlens, max_len, scale, dropout_p, seed):
         q, k, v = qkv.unbind(2)                                   # 3 x [n, heads, d] views
         varlen = Varlen(cu_seqlens, cu_seqlens.numel() - 1, max_len)
-        tiles = pick_tiles(qkv.shape[-1], qkv.dtype, dropout_p > 0)
+        tiles = pick_tiles(qkv.shape[-1], qkv.dtype)
         out, lse = attention_forward(q, k, v, None, None, scale, dropout_p, seed, tiles[0], varlen=varlen)
         ctx.save_for_backward(qkv, out, lse)
         ctx.varlen, ctx.scale, ctx.dropout_p, ctx.seed, ctx.tiles = varlen, scale, dropout_p, seed, tiles

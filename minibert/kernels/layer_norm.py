@@ -56,13 +56,14 @@ Triton kernel, which was measured to matter). No atomics, so the same bits every
 
 4. Dropout without a mask
 -------------------------
-The keep/drop decisions are attention dropout's (minibert/kernels/dropout.py) with one stream (bh = 0)
-and seq_len = h: element (row, col) of the flattened [rows, h] tensor draws 16 bits from Philox at
+The keep/drop decisions are attention dropout's (minibert/kernels/dropout.py) with one stream (0) and the
+hidden size as the row width: element (row, col) of the flattened [rows, h] tensor hashes the counter
 
-    counter = row * ceil(h / 8) + col // 8            (8 columns share one Philox call)
+    counter = row * h + col
 
-kept iff those bits >= round(65536 p). The decision depends on (seed, row, col) only, never on the tile,
-so the backward regenerates it and hidden_dropout_keep_mask draws the same one for tests.
+under keys mixed from the seed, and is kept iff the hash >= 2 round(2^31 p). The decision depends on
+(seed, row, col) only, never on the tile, so the backward regenerates it and hidden_dropout_keep_mask
+draws the same one for tests.
 
 Runs on CUDA, or on CPU with TRITON_INTERPRET=1 (the tests).
 """
@@ -76,8 +77,8 @@ import triton.language as tl
 
 from minibert.errors import UsageError
 from minibert.kernels import interpreting
-from minibert.kernels.dropout import (_dropout_keep, dropout_threshold, effective_dropout_p, kernel_seed,
-                                      seed_in_memory)
+from minibert.kernels.dropout import (_dropout_keep, _dropout_keys, check_counter_range, dropout_threshold,
+                                      effective_dropout_p, kernel_seed, seed_in_memory)
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_WIDTH = 8192  # a whole row sits in registers: 8192 fp32 over 16 warps is 16 values per thread per tensor
@@ -140,9 +141,12 @@ def pick_tiles(h):
 # --------------------------------------------------------------------------------------------------
 @triton.jit
 def _hidden_keep(seed, rows, start, h, threshold, BLOCK_N: tl.constexpr):
-    """bool [BLOCK_M, BLOCK_N], True where element (row, start + c) survives: attention dropout's draw
-    (kernels/dropout.py) with one stream, bh = 0, and seq_len = h."""
-    return _dropout_keep(seed, tl.full([], 0, tl.int32), rows, start, h, threshold, BLOCK_N)
+    """bool [BLOCK_M, BLOCK_N], True where element (row, start + c) survives: attention dropout's hash
+    (kernels/dropout.py) with one stream, 0, and the row width h. (The keys are mixed again for each block
+    of rows: a few scalar instructions.)"""
+    k1, k2, limit = _dropout_keys(seed, tl.full([], 0, tl.int32), threshold)
+    cols = start + tl.arange(0, BLOCK_N)
+    return _dropout_keep(k1, k2, limit, rows[:, None], cols[None, :], h)
 
 
 @triton.jit(do_not_specialize=["seed", "threshold"])
@@ -278,6 +282,8 @@ def _check_inputs(residual, y, weight, bias, eps, dropout_p):
         raise UsageError(f"dropout_add_layer_norm: eps must be a positive Python float; got {eps!r}")
     if not 0.0 <= dropout_p < 1.0:
         raise UsageError(f"dropout_add_layer_norm: dropout_p must be in [0, 1); got {dropout_p}")
+    if dropout_p > 0:
+        check_counter_range(residual.numel())
 
 
 def _keep_scale(dropout_p):

@@ -9,7 +9,7 @@ entries that should be independent, so each rank switches to a generator of its 
     seed + 2718 + tp_rank        (Megatron's offset, and + 100 x pipeline stage like the default seed)
 
 for the duration of `with tracker.fork(): ...` (Megatron: get_cuda_rng_tracker().fork()). The flash
-attention kernel draws its Philox seed inside that fork, so its dropout follows the same rule. Both
+attention kernel draws its dropout seed inside that fork, so its dropout follows the same rule. Both
 generators' states go into every checkpoint, so a resumed run drops exactly what the unbroken one would.
 
 Under CUDA graph capture (--cuda-graph-impl local, tensor-parallel size 1) fork() swaps nothing: a

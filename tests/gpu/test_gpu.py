@@ -233,7 +233,7 @@ def test_fused_layer_norm_and_cross_entropy_equal_their_plain_twins(dtype, post_
 
 
 def test_fused_hidden_dropout_follows_torch_seed(monkeypatch):
-    """With hidden dropout on, the fused kernel's Philox seed comes from torch's generator: the same
+    """With hidden dropout on, the fused kernel's dropout seed comes from torch's generator: the same
     torch.manual_seed gives the same loss and gradients, another seed other ones."""
     from minibert.config import Config
     from minibert.model import BertModel, pretraining_loss

@@ -69,7 +69,7 @@ def test_backward_is_deterministic():
 
 def test_gpu_mask_is_attention_dropout_with_one_stream():
     """On the GPU too, the mask is attention dropout's draw with bh = 0, seq_len = h (the CPU suite checks the
-    same in the interpreter: both run tl.randint4x, Philox-4x32-10), and its rate is 1 - p on a BERT-large
+    same in the interpreter, the same integer hash), and its rate is 1 - p on a BERT-large
     tensor (6 binomial sigmas)."""
     from minibert.kernels.dropout import dropout_mask, effective_dropout_p
     from minibert.kernels.layer_norm import hidden_dropout_keep_mask
