@@ -157,9 +157,6 @@ def _validate_cuda_graph(cfg: Config, device_type: str, warn):
     if cfg.recompute is not None:
         raise UsageError("--cuda-graph-impl local cannot capture activation recompute (it saves and restores "
                          "random-generator states on the host): drop --recompute-* or the graph")
-    if cfg.gradient_accumulation_fusion:
-        raise UsageError("--cuda-graph-impl local with --gradient-accumulation-fusion has not been run on a GPU "
-                         "yet (the graph's warm-up would add into the main grads): drop one of the two flags")
     if cfg.sparse_mlm:
         raise UsageError("--cuda-graph-impl local needs fixed shapes and --sparse-mlm sends a different number "
                          "of rows through the LM head in every micro-batch: drop one of the two flags")

@@ -52,6 +52,15 @@ def test_draw_seed_outside_a_capture_is_a_python_int_from_torchs_generator():
     assert not seed_in_memory(first) and seed_in_memory(torch.tensor([first]))
 
 
+def tiny_trainer_config(tiny_data, **overrides):
+    """The 2-layer trainer the CPU tests below run on the session's tiny corpus, dropout off."""
+    values = dict(num_layers=2, hidden_size=32, num_attention_heads=2, seq_length=64, micro_batch_size=4,
+                  global_batch_size=8, train_iters=2, lr=1e-3, data_path=[tiny_data["prefix"]],
+                  vocab_file=tiny_data["vocab"], split="90,5,5", hidden_dropout=0.0, attention_dropout=0.0,
+                  eval_iters=0)
+    return validate(Config(**{**values, **overrides}))
+
+
 def graph_config(**overrides):
     values = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=64, micro_batch_size=2,
                   train_iters=2, lr=1e-4, cuda_graph_impl="local")
@@ -97,10 +106,7 @@ def test_the_layout_a_graph_replays_equals_the_padded_twin(tiny_data, backend):
     from minibert.batches import build_data_iterator, build_datasets, get_batch
     from minibert.build import build_model_and_optimizer
     from minibert.train import forward_step
-    cfg = validate(Config(num_layers=2, hidden_size=32, num_attention_heads=2, seq_length=64, micro_batch_size=4,
-                          global_batch_size=4, train_iters=2, lr=1e-3, data_path=[tiny_data["prefix"]],
-                          vocab_file=tiny_data["vocab"], split="90,5,5", hidden_dropout=0.0, attention_dropout=0.0,
-                          eval_iters=0, attention_backend=backend))
+    cfg = tiny_trainer_config(tiny_data, global_batch_size=4, attention_backend=backend)
     _, (train_ds, _, _) = build_datasets(cfg, log=lambda line: None)
     device = torch.device("cpu")
     runs = {}
@@ -127,7 +133,6 @@ def test_the_layout_a_graph_replays_equals_the_padded_twin(tiny_data, backend):
     ({"pipeline_model_parallel_size": 2}, 2, "--pipeline-model-parallel-size 1"),
     ({"recompute_activations": True}, 1, "drop --recompute-*"),
     ({"sparse_mlm": True}, 1, "--sparse-mlm"),
-    ({"gradient_accumulation_fusion": True}, 1, "--gradient-accumulation-fusion"),
     ({"cuda_graph_impl": "transformer_engine"}, 1, "pass --cuda-graph-impl local"),
 ])
 def test_what_the_flag_refuses_names_the_fix(overrides, world, named):
@@ -149,10 +154,7 @@ def test_what_a_graph_records_is_the_eager_schedules_micro_batch(tiny_data):
     from minibert.cuda_graphs import forward_backward, shape_key
     from minibert.parallel.pipeline import forward_backward_no_pipelining
     from minibert.train import forward_step
-    cfg = validate(Config(num_layers=2, hidden_size=32, num_attention_heads=2, seq_length=64, micro_batch_size=4,
-                          global_batch_size=8, train_iters=2, lr=1e-3, data_path=[tiny_data["prefix"]],
-                          vocab_file=tiny_data["vocab"], split="90,5,5", hidden_dropout=0.0, attention_dropout=0.0,
-                          eval_iters=0))
+    cfg = tiny_trainer_config(tiny_data)
     cfg = dataclasses.replace(cfg, cuda_graph_impl="local")  # the graph's batch layout, run on the CPU
     _, (train_ds, _, _) = build_datasets(cfg, log=lambda line: None)
     device = torch.device("cpu")
@@ -181,3 +183,30 @@ def test_what_a_graph_records_is_the_eager_schedules_micro_batch(tiny_data):
     keys = [shape_key(batch, 2) for batch in batches]
     rows = [len(batch["packing"].index) for batch in batches]
     assert (keys[0] == keys[1]) == (rows[0] == rows[1]) and all(r % 64 == 0 for r in rows)
+
+
+def test_the_warm_up_leaves_fused_main_grads_as_they_were(tiny_data):
+    """--gradient-accumulation-fusion: the weight-gradient matmuls add into the main grads themselves, so
+    the warm-up's accumulate=False cannot keep its gradients out; main_grads_kept puts the buffers back.
+    On the CPU (the fused path runs there too): a micro-batch's backward changes the main grads, the same
+    backward inside main_grads_kept leaves them bit-identical."""
+    from minibert.batches import build_data_iterator, build_datasets, get_batch
+    from minibert.build import build_model_and_optimizer
+    from minibert.cuda_graphs import forward_backward, main_grads_kept
+    from minibert.train import forward_step
+    cfg = tiny_trainer_config(tiny_data, gradient_accumulation_fusion=True)
+    _, (train_ds, _, _) = build_datasets(cfg, log=lambda line: None)
+    device = torch.device("cpu")
+    batch = get_batch(build_data_iterator(train_ds, 0, cfg, device), device, cfg)
+    step = lambda b, model, _: forward_step(b, model, None, cfg=cfg)  # noqa: E731
+    torch.manual_seed(0)
+    model, optimizer, _ = build_model_and_optimizer(cfg, device)
+    optimizer.zero_grad()
+    forward_backward(step, model, optimizer, 2, batch)             # some gradient already accumulated
+    before = {n: p.main_grad.clone() for n, p in model.named_parameters()}
+    with main_grads_kept(optimizer.grads):
+        forward_backward(step, model, optimizer, 2, batch, accumulate=False)
+    assert all(torch.equal(p.main_grad, before[n]) and p.grad is None for n, p in model.named_parameters())
+    forward_backward(step, model, optimizer, 2, batch, accumulate=False)   # without it: the fused weights moved
+    moved = [n for n, p in model.named_parameters() if not torch.equal(p.main_grad, before[n])]
+    assert moved and all(n.endswith("weight") for n in moved), moved
