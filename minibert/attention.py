@@ -29,9 +29,9 @@ Masking: padding_mask is bool [b, s], True = padding, and masks *keys* only (a p
 to the real keys; its output is never used by the loss). The plain backends fill masked scores with
 finfo.min, not -inf: a row whose keys are all padding then gives a uniform softmax instead of NaN.
 
-Dropout: local/unfused/fused drop with torch's RNG, flash with a hash of each element's position inside
-the kernel (keyed by a seed from torch's generator). Each is repeatable under torch.manual_seed; across backends the dropped entries
-differ, so with dropout on they agree in distribution, not bit for bit.
+Dropout: local/unfused/fused drop with torch's RNG, flash with a hash of each element's position inside the
+kernel (keyed by a seed from torch's generator). Each is repeatable under torch.manual_seed; across backends
+the dropped entries differ, so with dropout on they agree in distribution, not bit for bit.
 
 The Triton kernels are imported only when their backend runs, so a CPU-only install without them
 still runs local attention."""

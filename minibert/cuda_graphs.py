@@ -30,10 +30,10 @@ micro-batch, and the optimizer step (its skip decision reads the grad norm on th
 
 Capture, once per shape: a warm-up forward + backward on a side stream first (kernels compile, with the
 seed read from memory as in the capture, and cuBLAS picks its algorithms and workspaces: a graph cannot
-record a first-time setup), which leaves no trace:
-its gradients are dropped, the random generators are put back, and with --gradient-accumulation-fusion,
-whose backward adds straight into the main grads, those are put back too (main_grads_kept). Then the capture itself, which runs
-nothing: the kernels it records run at the first replay. A model's graphs share one memory pool: each
+record a first-time setup), which leaves no trace: its gradients are dropped, the random generators
+are put back, and with --gradient-accumulation-fusion, whose backward adds straight into the main grads,
+those are put back too (main_grads_kept). Then the capture itself, which runs nothing: the kernels it
+records run at the first replay. A model's graphs share one memory pool: each
 replay's temporaries are dead once it ends (its outputs are copied at once, its gradients are in the
 main grads), so the next graph may reuse their memory, and b graphs cost about the memory of one.
 

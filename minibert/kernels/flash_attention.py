@@ -42,8 +42,9 @@ with t = round(p * 2^31), so the dropout rate is t / 2^31 and the decision depen
 never on the tile sizes. Each thread hashes the scores it holds, in the layout the tensor cores left them
 in, for ~9 integer instructions per score and no data moved between threads. (Philox, the usual generator,
 costs ~60 instructions per call: sharing one call between 8 keys needed the bits moved through shared
-memory, and took 0.87 ms fwd+bwd against this hash's 0.64 at BERT-large's full-length shapes on an H200.) The running sum l uses the undropped P (dropout acts
-after softmax); kept values are scaled by 1 / (1 - t / 2^31) once, on the output.
+memory, and took 0.87 ms fwd+bwd against this hash's 0.64 at BERT-large's full-length shapes on an H200.)
+The running sum l uses the undropped P (dropout acts after softmax); kept values are scaled by
+1 / (1 - t / 2^31) once, on the output.
 
 3. What production does (and we leave to Triton's compiler)
 -----------------------------------------------------------
@@ -54,8 +55,9 @@ and emits wgmma on Hopper by itself; we keep plain pointer loads so one kernel r
 one Philox call per 16 dropout decisions (8-bit thresholds: p rounded to a multiple of 1/256) and gives
 each thread the bits of its own elements (the thread index is part of the counter), so no bits move but the
 mask depends on the kernel's thread layout; our hash gets the same "no bits move" from one cheap call per
-element, and its mask is independent of tiles and warps, which lets each kernel pick its own. FA2 also takes unpadded "varlen" batches (cu_seqlens) that skip padding without masking; these
-kernels do too, compiled with VARLEN=True (flash_attention_varlen.py explains the layout).
+element, and its mask is independent of tiles and warps, which lets each kernel pick its own. FA2 also takes
+unpadded "varlen" batches (cu_seqlens) that skip padding without masking; these kernels do too, compiled
+with VARLEN=True (flash_attention_varlen.py explains the layout).
 """
 import functools
 import math
@@ -418,10 +420,10 @@ def flash_attention(q, k, v, padding_mask=None, scale=None, dropout_p=0.0, seed=
 
     padding_mask: bool [b, s], True = padding key (its probability is 0). Output rows of padded queries are
     unspecified but finite (zeros in query blocks entirely past the last real key); their gradients assume
-    the loss ignores them. scale defaults to 1/sqrt(d). dropout_p drops attention probabilities in-kernel (a keyed hash per
-    element; the rate is rounded to a multiple of 2^-31, see dropout_threshold); seed=None draws one from torch's CPU generator
-    (so torch.manual_seed makes runs repeatable; kernels/dropout.py: draw_seed, also for CUDA graphs); the
-    same seed gives the same output and gradients.
+    the loss ignores them. scale defaults to 1/sqrt(d). dropout_p drops attention probabilities in-kernel (a
+    keyed hash per element; the rate is rounded to a multiple of 2^-31, see dropout_threshold); seed=None
+    draws one from torch's CPU generator (so torch.manual_seed makes runs repeatable; kernels/dropout.py:
+    draw_seed, also for CUDA graphs); the same seed gives the same output and gradients.
     Head dims: multiples of 8 in [16, 128]. Returns [b, heads, s, d].
     """
     check_inputs(q, k, v, padding_mask, dropout_p)
