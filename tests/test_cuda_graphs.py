@@ -112,11 +112,16 @@ def test_the_layout_a_graph_replays_equals_the_padded_twin(tiny_data, backend):
     runs = {}
     for name, run_cfg in {"graph layout": dataclasses.replace(cfg, cuda_graph_impl="local"),  # validated above
                           "padded": dataclasses.replace(cfg, pack_tokens=False)}.items():
-        model, _, _ = build_model_and_optimizer(run_cfg, device)
+        model, optimizer, _ = build_model_and_optimizer(run_cfg, device)
+        optimizer.zero_grad()
         batch = get_batch(build_data_iterator(train_ds, 0, run_cfg, device), device, run_cfg)
         loss, _ = forward_step(batch, model, None, run_cfg)
         loss.backward()
-        runs[name] = loss.detach(), {n: p.main_grad.clone() for n, p in model.named_parameters()}, batch
+        for grads in optimizer.grads:
+            grads.accumulate()  # .grad -> main_grad, as the trainer does after each backward
+        main_grads = {n: p.main_grad.clone() for n, p in model.named_parameters()}
+        assert all(g.norm() > 0 for g in main_grads.values()), "no gradient arrived"
+        runs[name] = loss.detach(), main_grads, batch
     packing = runs["graph layout"][2]["packing"]
     real = int((~runs["padded"][2]["is_pad"]).sum())
     assert len(packing.index) % 64 == 0 and real < len(packing.index) < real + 64  # fillers, this batch

@@ -34,12 +34,16 @@ def packed_and_padded_runs(cfg):
     results = {}
     for packed in (True, False):
         run_cfg = dataclasses.replace(cfg, pack_tokens=packed)
-        model, _, _ = build_model_and_optimizer(run_cfg, device)
+        model, optimizer, _ = build_model_and_optimizer(run_cfg, device)
+        optimizer.zero_grad()
         batch = get_batch(build_data_iterator(train_ds, 0, run_cfg, device), device, run_cfg)
         loss, _ = forward_step(batch, model, None, run_cfg)
         loss.backward()
-        results[packed] = (loss.detach(), {n: p.main_grad.clone() for n, p in model.named_parameters()},
-                           batch["packing"], batch["text"].shape[1])
+        for grads in optimizer.grads:
+            grads.accumulate()  # the 16-bit (here fp32) .grad -> the fp32 main_grad the optimizer reads
+        main_grads = {n: p.main_grad.clone() for n, p in model.named_parameters()}
+        assert all(g.norm() > 0 for g in main_grads.values()), "no gradient arrived"
+        results[packed] = (loss.detach(), main_grads, batch["packing"], batch["text"].shape[1])
     return results
 
 
