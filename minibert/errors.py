@@ -12,12 +12,18 @@ class UsageError(Exception):
     """Something the user can fix: the message says what to change."""
 
 
+def write_line(line, stream=None):
+    """line + newline to `stream` (default stdout) in one write: print() writes the text and the newline
+    separately when the stream is unbuffered (PYTHONUNBUFFERED, as under torchrun), and two ranks sharing
+    one pipe could then interleave their lines; one write of under 4 KB to a pipe is atomic."""
+    stream = sys.stdout if stream is None else stream
+    stream.write(line + "\n")
+    stream.flush()
+
+
 def print_error_line(line):
-    """line + newline to stderr in one write: print() writes the text and the newline separately when
-    stderr is unbuffered (PYTHONUNBUFFERED, as under torchrun), and two ranks sharing one pipe could then
-    interleave their lines; one write of under 4 KB to a pipe is atomic."""
-    sys.stderr.write(line + "\n")
-    sys.stderr.flush()
+    """line + newline to stderr in one write (see write_line)."""
+    write_line(line, sys.stderr)
 
 
 def exit_on_usage_error(main):

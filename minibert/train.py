@@ -39,7 +39,7 @@ from minibert.batches import (BATCH_KEYS, MicroBatchSampler, build_data_iterator
 from minibert.build import as_chunks, as_state, build_model_and_optimizer, build_pipeline, set_random_seed
 from minibert.config import parse_args
 from minibert.cuda_graphs import forward_backward_captured
-from minibert.errors import UsageError, exit_on_usage_error
+from minibert.errors import UsageError, exit_on_usage_error, write_line
 from minibert.model import pretraining_loss
 from minibert.parallel import faults
 from minibert.parallel.pipeline import forward_backward_no_pipelining, forward_backward_pipelining, forward_pipelining
@@ -209,8 +209,8 @@ def _train(cfg, state, on_log) -> TrainResult:
     chunks, pipeline = as_chunks(model), build_pipeline(cfg, state)
     stream = data_stream(cfg)
     if state.dp_rank == 0:
-        print(f" > number of parameters on (tensor, pipeline) model parallel rank ({state.tp_rank}, "
-              f"{state.pp_rank}): {sum(p.numel() for c in chunks for p in c.parameters())}", flush=True)
+        write_line(f" > number of parameters on (tensor, pipeline) model parallel rank ({state.tp_rank}, "
+                   f"{state.pp_rank}): {sum(p.numel() for c in chunks for p in c.parameters())}")  # ranks share stdout
     logger.print(f" > optimizer state per rank (fp32 masters and Adam moments): {optimizer.state_bytes()} bytes")
 
     iteration = consumed_train = consumed_valid = 0

@@ -31,6 +31,7 @@ shapes travel."""
 import torch
 import torch.distributed as dist
 
+from minibert.errors import write_line
 from minibert.parallel.p2p_plan import input_message, output_message
 from minibert.parallel.schedules import exchanges, schedule
 
@@ -85,8 +86,9 @@ class Pipeline:
                 landing.append((op.message, buffer))
             if self.trace:
                 kind, mb, stage = op.message
-                print(f"[pipeline rank {self.state.pp_rank}] {op.op} {kind} of micro-batch {mb} for stage {stage} "
-                      f"{'to' if op.op == 'send' else 'from'} pipeline rank {op.peer}", flush=True)
+                # one write per line (write_line): the ranks share stdout
+                write_line(f"[pipeline rank {self.state.pp_rank}] {op.op} {kind} of micro-batch {mb} for stage "
+                           f"{stage} {'to' if op.op == 'send' else 'from'} pipeline rank {op.peer}")
         if ops:
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
