@@ -25,7 +25,8 @@ replay needs:
 
 What is captured, per micro-batch: embedding, layers, heads, loss, its backward, and the gradient
 accumulation into the fp32 main grads (fixed buffers outside the graph, so replays add up in them as
-eager micro-batches do). What is not: getting the batch, the data-parallel reduction after the last
+eager micro-batches do; a step's first micro-batch copies into them instead, so it has a graph of its
+own). What is not: getting the batch, the data-parallel reduction after the last
 micro-batch, and the optimizer step (its skip decision reads the grad norm on the host).
 
 Capture, once per shape: a warm-up forward + backward on a side stream first (kernels compile, with the
@@ -187,11 +188,15 @@ def forward_backward_captured(forward_step, batches, model, optimizer):
     results = []
     for batch in batches:
         inputs = graph_inputs(batch)  # once per micro-batch: the key and the copies both read it
-        key = shape_key(batch, len(batches), inputs)
+        # a step's first micro-batch records a copy into the main grads, the others an add (see
+        # minibert/parallel/data_parallel.py): a graph of each kind where a step has several
+        key = shape_key(batch, len(batches), inputs) + (tuple(g.fresh for g in optimizer.grads),)
         if key not in graphs.by_shape:
             graphs.by_shape[key] = CapturedMicroBatch(forward_step, model, optimizer, len(batches), batch,
                                                       graphs.pool)
         results.append(graphs.by_shape[key].replay(batch, inputs))
+        for g in optimizer.grads:
+            g.fresh = False  # the replay ran the recorded fold: the next micro-batch adds
     return results
 
 

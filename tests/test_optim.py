@@ -254,6 +254,42 @@ def test_bf16_masters_stay_fp32_and_accumulate_in_fp32():
         assert p.dtype == torch.bfloat16 and torch.equal(p, m.to(torch.bfloat16))
 
 
+def test_a_steps_first_fold_copies_and_zeroes_what_got_no_gradient():
+    """zero() writes nothing: the step's first accumulate() copies each 16-bit gradient into its fp32
+    main_grad (whatever was there before) and zeroes the main_grad of a parameter the micro-batch did not
+    reach; the next accumulate() adds. Exactly what zeroing first and adding gives."""
+    model = Tiny(torch.bfloat16)
+    opt = one_process_optimizer(model, lr=1e-3, clip_grad=0.0)
+    grads = opt.grads[0]
+    for bucket in grads.buckets:
+        bucket.grad_data.fill_(3.0)  # a previous step's gradients
+    opt.zero_grad()
+    assert grads.fresh and all(bucket.grad_data.eq(3.0).all() for bucket in grads.buckets)  # nothing written
+    params = list(model.parameters())
+    xs = [torch.randn(3, 4, dtype=torch.bfloat16) for _ in range(2)]
+    opt.scale_loss(model(xs[0])).backward()  # scale_loss folds the grads so far: none yet, nothing written
+    assert grads.fresh and all(bucket.grad_data.eq(3.0).all() for bucket in grads.buckets)
+    params[0].grad = None  # as if this micro-batch had not reached the first parameter
+    first = [torch.zeros_like(p, dtype=torch.float32) if p.grad is None else p.grad.float() for p in params]
+    grads.accumulate()
+    assert not grads.fresh
+    for p, expected in zip(params, first):
+        torch.testing.assert_close(p.main_grad, expected, rtol=0, atol=0)
+    model(xs[1]).backward()
+    second = [p.grad.float() for p in params]
+    grads.accumulate()
+    for p, a, b in zip(params, first, second):
+        torch.testing.assert_close(p.main_grad, a + b, rtol=0, atol=0)
+    opt.zero_grad()
+    grads.finish()  # a step in which no gradient arrived: zeros
+    assert not grads.fresh and all(bucket.grad_data.eq(0).all() for bucket in grads.buckets)
+    eager = DataParallelGrads(Tiny(torch.bfloat16), ParallelState(), gradient_accumulation_fusion=True)
+    assert not eager.copy_first  # there the matmuls add into main_grad before any fold: zeroed at once
+    eager.buckets[0].grad_data.fill_(3.0)
+    eager.zero()
+    assert all(bucket.grad_data.eq(0).all() for bucket in eager.buckets) and not eager.fresh
+
+
 def test_optimizer_state_dict_roundtrip_weights_only():
     cfg = tiny_bert_config(bf16=True, fp16=False)
     torch.manual_seed(0)
