@@ -188,11 +188,13 @@ def test_dropout_mask_is_the_documented_hash(seed):
 
 
 def _lag_z(keep, d_row, d_col):
-    """z-score of the correlation between keep[r, c] and keep[r + d_row, c + d_col] (0 if independent)."""
+    """z-score of the correlation between keep[r, c] and keep[r + d_row, c + d_col] (0 if independent);
+    d_row >= 0, d_col of either sign."""
     k = (keep.double() - keep.double().mean()) / keep.double().std()
     rows, cols = k.shape
-    a = k[:rows - d_row, max(0, -d_col):cols - max(0, d_col)]
-    b = k[d_row:, max(0, d_col):cols - max(0, -d_col) if d_col < 0 else cols][:a.shape[0], :a.shape[1]]
+    first, width = max(0, -d_col), cols - abs(d_col)  # the columns c whose partner c + d_col exists
+    a = k[:rows - d_row, first:first + width]
+    b = k[d_row:, first + d_col:first + d_col + width]
     return (a * b).mean().item() * a.numel() ** 0.5
 
 
