@@ -4,6 +4,8 @@ encode_batch at the same parallelism, on the same text, on this machine.
     python bench/preprocess_speed.py [--workers 1 2] [--repeats 3] [--copies 20] [--corpus FILE]
     python bench/preprocess_speed.py --workers 1 2 4 8 --copies 100     # a 16-core machine
     python bench/preprocess_speed.py --workers 1 2 4 8 --sequential     # the work alone, any machine
+    python bench/preprocess_speed.py --workers 1 2 4 8 --side-by-side   # what the machine costs
+    python bench/preprocess_speed.py --workers 1 8 --copies 100 --no-peer   # minibert alone, faster
 
 What is timed, best of --repeats, on the default corpus (minibert.corpus, real English, 1.1 MB)
 written --copies times over (20: 22 MB), or on --corpus FILE:
@@ -26,7 +28,12 @@ too (its frequent words), counted here.
 fresh encoders (each with its own tokenizer caches, as N workers have) that run one after another in
 this one process, and the CPU seconds of all N together are printed. Against the workers' CPU seconds of
 a parallel run at the same N, the difference is what running side by side costs (shared cores, caches,
-clock), not what the caches cost."""
+clock), not what the caches cost.
+
+--side-by-side measures that cost directly: N processes start together and each encodes the same first
+--side-mb of the corpus with a fresh encoder (identical work, caches included), so any growth of a
+process's CPU seconds with N is the machine's (shared cores, caches, memory, all-core clock), none of it
+the program's. N / (that growth) is the speed-up the machine allows at N workers."""
 import argparse
 import json
 import os
@@ -95,7 +102,7 @@ def hf_seconds(corpus, threads, repeats):
     return json.loads(result.stdout)
 
 
-def run(workers=(1, 2), repeats=3, corpus=None, copies=20):
+def run(workers=(1, 2), repeats=3, corpus=None, copies=20, peer=True):
     """Rows of name, value, unit, notes: bench/run.py's shape."""
     with tempfile.TemporaryDirectory() as tmp:
         corpus = corpus or write_corpus(os.path.join(tmp, "corpus.txt"), copies)
@@ -106,8 +113,8 @@ def run(workers=(1, 2), repeats=3, corpus=None, copies=20):
         with open(os.path.join(tmp, "one.txt"), "w") as f:
             f.write("One short document.\n")
 
-        rows, peer = [], {}
-        for n in workers:
+        rows, peer, peer_wanted = [], {}, peer
+        for n in workers if peer_wanted else ():
             peer[n] = hf_seconds(corpus, n, repeats)
             rows.append(dict(name=f"HF tokenizers encode_batch, {n} thread{'s' if n > 1 else ''}",
                              value=n_docs / peer[n], unit="docs/s",
@@ -138,9 +145,10 @@ def run(workers=(1, 2), repeats=3, corpus=None, copies=20):
                          f"{n} worker{'s' if n > 1 else ''}",
                     value=n_docs / seconds[n], unit="docs/s",
                     notes=f"{n_bytes / 1e6 / seconds[n]:.2f} MB/s; {speedup:.2f}x its {base}-worker speed "
-                          f"({steady:.2f}x without start-up); {peer[n] / seconds[n]:.2f}x the peer at "
-                          f"{n} thread{'s' if n > 1 else ''}; CPU s: main {main_cpu:.2f}, workers "
-                          f"{workers_cpu:.2f}"))
+                          f"({steady:.2f}x without start-up); "
+                          + (f"{peer[n] / seconds[n]:.2f}x the peer at {n} thread{'s' if n > 1 else ''}; "
+                             if peer_wanted else "")
+                          + f"CPU s: main {main_cpu:.2f}, workers {workers_cpu:.2f}"))
                 print(f"  {rows[-1]['name']}: {rows[-1]['value']:,.0f} docs/s ({rows[-1]['notes']})", flush=True)
     return rows
 
@@ -170,6 +178,56 @@ def sequential_rows(workers, corpus=None, copies=20, split_sentences=False):
     return rows
 
 
+def _encode_alone(chunks, split_sentences, corpus, ready, go, results):
+    """One side-by-side process: wait for the start signal, encode `chunks`, report its CPU seconds."""
+    tokenizer = build_tokenizer("BertWordPieceLowerCase")
+    encoder = preprocessing.DocumentEncoder(tokenizer, ("text",), False, split_sentences,
+                                            best_dtype(tokenizer.vocab_size), corpus)
+    ready.release()
+    go.wait()
+    start_cpu, start = time.process_time(), time.perf_counter()
+    for chunk in chunks:
+        encoder(chunk)
+    results.put((time.process_time() - start_cpu, time.perf_counter() - start))
+
+
+def side_by_side_rows(workers, corpus=None, copies=20, split_sentences=False, megabytes=8.0):
+    """CPU seconds per process when N processes do the same encoding at once, against one alone."""
+    import multiprocessing
+    context = multiprocessing.get_context("spawn")
+    with tempfile.TemporaryDirectory() as tmp:
+        corpus = corpus or write_corpus(os.path.join(tmp, "corpus.txt"), copies)
+        chunks, size = [], 0
+        for chunk in preprocessing._chunks(corpus):
+            if size >= megabytes * 1e6:
+                break
+            chunks.append(chunk)
+            size += len(chunk[2])
+        rows, alone = [], None
+        for n in workers:
+            ready, go, results = context.Semaphore(0), context.Event(), context.Queue()
+            procs = [context.Process(target=_encode_alone, args=(chunks, split_sentences, corpus, ready, go,
+                                                                  results)) for _ in range(n)]
+            for proc in procs:
+                proc.start()
+            for _ in procs:
+                ready.acquire()  # every process loaded and waiting: the timed work starts together
+            go.set()
+            measured = [results.get(timeout=600) for _ in procs]
+            for proc in procs:
+                proc.join()
+            cpu = sum(c for c, _ in measured) / n
+            wall = max(w for _, w in measured)
+            alone = alone or cpu
+            rows.append(dict(name=f"{n} process{'es' if n > 1 else ''} side by side, each encoding the same "
+                                  f"{size / 1e6:.1f} MB{', --split-sentences' if split_sentences else ''}",
+                             value=cpu, unit="CPU s",
+                             notes=f"per process, mean; {cpu / alone:.2f}x one alone; wall {wall:.2f} s; "
+                                   f"the machine allows {n * alone / cpu:.2f}x at {n}"))
+            print(f"  {rows[-1]['name']}: {cpu:.2f} CPU s ({rows[-1]['notes']})", flush=True)
+    return rows
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="worker counts to time "
@@ -180,11 +238,20 @@ def main():
                         "(instead of the copied default corpus)")
     parser.add_argument("--sequential", action="store_true", help="instead: the CPU seconds of N fresh "
                         "encoders run one after another (what the word caches cost, without contention)")
+    parser.add_argument("--no-peer", action="store_true", help="leave HF tokenizers out (it takes the longest "
+                        "at 1 thread): minibert's own scaling only")
+    parser.add_argument("--side-by-side", action="store_true", help="instead: N processes doing the same "
+                        "encoding at once, against one alone (what running side by side costs on this machine)")
+    parser.add_argument("--side-mb", type=float, default=8.0, help="with --side-by-side: megabytes each "
+                        "process encodes")
     args = parser.parse_args()
-    if args.sequential:
+    if args.side_by_side:
+        rows = [r for split in (False, True)
+                for r in side_by_side_rows(args.workers, args.corpus, args.copies, split, args.side_mb)]
+    elif args.sequential:
         rows = [r for split in (False, True) for r in sequential_rows(args.workers, args.corpus, args.copies, split)]
     else:
-        rows = run(args.workers, args.repeats, args.corpus, args.copies)
+        rows = run(args.workers, args.repeats, args.corpus, args.copies, peer=not args.no_peer)
     print(f"\n{platform.processor() or platform.machine()}, {os.cpu_count()} cores, Python "
           f"{platform.python_version()}; {time.strftime('%Y-%m-%d')}; command: python bench/preprocess_speed.py "
           f"{' '.join(sys.argv[1:])}".rstrip())

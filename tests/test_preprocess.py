@@ -141,6 +141,27 @@ def test_any_worker_count_writes_the_same_bytes(tmp_path, tokenizer, monkeypatch
                                                                for e in ("bin", "idx")]
 
 
+class _WorkerThreads:
+    """Stands in for the encoder: reports the thread settings of the worker process it runs in."""
+
+    def __call__(self, chunk):
+        return {name: os.environ.get(name) for name in preprocess_module.WORKER_THREADS}
+
+
+def test_workers_start_with_one_blas_thread_and_the_caller_keeps_its_settings(tmp_path, monkeypatch):
+    """numpy's OpenBLAS busy-waits one thread per core at import: each worker starts with one, and the
+    caller's own values (one set, the others unset) are as they were afterwards."""
+    monkeypatch.setenv("OPENBLAS_NUM_THREADS", "7")
+    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        monkeypatch.delenv(name, raising=False)
+    path = tmp_path / "in.txt"
+    path.write_bytes(b"one line\n" * 3)
+    seen = [result for result, _ in preprocess_module._encoded_chunks(_WorkerThreads(), str(path), 2)]
+    assert seen == [dict.fromkeys(preprocess_module.WORKER_THREADS, "1")]
+    assert os.environ["OPENBLAS_NUM_THREADS"] == "7"
+    assert "OMP_NUM_THREADS" not in os.environ and "MKL_NUM_THREADS" not in os.environ
+
+
 def test_chunks_cut_at_line_ends(tmp_path, monkeypatch):
     """The chunks cover the file exactly, each ends at a newline (the last may not), and their line
     numbers and byte offsets are the file's."""
