@@ -103,25 +103,13 @@ def test_the_layout_a_graph_replays_equals_the_padded_twin(tiny_data, backend):
     up to a multiple of s with fillers), run eagerly on the CPU: the padded twin's loss and gradients, with
     the fillers scattered to padding (local) or attending among themselves (flash, varlen, interpreted)."""
     import dataclasses
-    from minibert.batches import build_data_iterator, build_datasets, get_batch
-    from minibert.build import build_model_and_optimizer
-    from minibert.train import forward_step
+    from minibert.batches import build_datasets
+    from test_packing import first_micro_batch_grads
     cfg = tiny_trainer_config(tiny_data, global_batch_size=4, attention_backend=backend)
     _, (train_ds, _, _) = build_datasets(cfg, log=lambda line: None)
-    device = torch.device("cpu")
-    runs = {}
-    for name, run_cfg in {"graph layout": dataclasses.replace(cfg, cuda_graph_impl="local"),  # validated above
-                          "padded": dataclasses.replace(cfg, pack_tokens=False)}.items():
-        model, optimizer, _ = build_model_and_optimizer(run_cfg, device)
-        optimizer.zero_grad()
-        batch = get_batch(build_data_iterator(train_ds, 0, run_cfg, device), device, run_cfg)
-        loss, _ = forward_step(batch, model, None, run_cfg)
-        loss.backward()
-        for grads in optimizer.grads:
-            grads.accumulate()  # .grad -> main_grad, as the trainer does after each backward
-        main_grads = {n: p.main_grad.clone() for n, p in model.named_parameters()}
-        assert all(g.norm() > 0 for g in main_grads.values()), "no gradient arrived"
-        runs[name] = loss.detach(), main_grads, batch
+    runs = {name: first_micro_batch_grads(run_cfg, train_ds, torch.device("cpu"))
+            for name, run_cfg in {"graph layout": dataclasses.replace(cfg, cuda_graph_impl="local"),  # validated above
+                                  "padded": dataclasses.replace(cfg, pack_tokens=False)}.items()}
     packing = runs["graph layout"][2]["packing"]
     real = int((~runs["padded"][2]["is_pad"]).sum())
     assert len(packing.index) % 64 == 0 and real < len(packing.index) < real + 64  # fillers, this batch

@@ -25,25 +25,31 @@ def test_packing_indices_round_trip():
     assert trimmed_length(is_pad, multiple=4) == 4 and trimmed_length(is_pad, multiple=64) == 6
 
 
+def first_micro_batch_grads(run_cfg, train_ds, device):
+    """One forward and backward of the first micro-batch as the trainer runs it, the .grad folded into
+    the fp32 main_grad the optimizer reads -> (loss, {name: main_grad}, batch)."""
+    model, optimizer, _ = build_model_and_optimizer(run_cfg, device)
+    optimizer.zero_grad()
+    batch = get_batch(build_data_iterator(train_ds, 0, run_cfg, device), device, run_cfg)
+    loss, _ = forward_step(batch, model, None, run_cfg)
+    loss.backward()
+    for grads in optimizer.grads:
+        grads.accumulate()
+    main_grads = {n: p.main_grad.clone() for n, p in model.named_parameters()}
+    assert all(g.norm() > 0 for g in main_grads.values()), "no gradient arrived"
+    return loss.detach(), main_grads, batch
+
+
 def packed_and_padded_runs(cfg):
-    """One forward and backward of the first micro-batch, packed and padded (the twin) ->
+    """The first micro-batch, packed and padded (the twin) ->
     {pack_tokens: (loss, {name: main_grad}, packing, trimmed seq length)}."""
     validate(cfg)
     _, (train_ds, _, _) = build_datasets(cfg, log=lambda line: None)
-    device = torch.device("cpu")
     results = {}
     for packed in (True, False):
-        run_cfg = dataclasses.replace(cfg, pack_tokens=packed)
-        model, optimizer, _ = build_model_and_optimizer(run_cfg, device)
-        optimizer.zero_grad()
-        batch = get_batch(build_data_iterator(train_ds, 0, run_cfg, device), device, run_cfg)
-        loss, _ = forward_step(batch, model, None, run_cfg)
-        loss.backward()
-        for grads in optimizer.grads:
-            grads.accumulate()  # the 16-bit (here fp32) .grad -> the fp32 main_grad the optimizer reads
-        main_grads = {n: p.main_grad.clone() for n, p in model.named_parameters()}
-        assert all(g.norm() > 0 for g in main_grads.values()), "no gradient arrived"
-        results[packed] = (loss.detach(), main_grads, batch["packing"], batch["text"].shape[1])
+        loss, main_grads, batch = first_micro_batch_grads(dataclasses.replace(cfg, pack_tokens=packed), train_ds,
+                                                          torch.device("cpu"))
+        results[packed] = (loss, main_grads, batch["packing"], batch["text"].shape[1])
     return results
 
 
