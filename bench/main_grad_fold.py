@@ -64,8 +64,7 @@ def main():
         batches = (stream_batches(prefix, count, micro, seq, settings.device) if data == "full-length"
                    else megatron_batches(prefix, count, cfg, settings.device))
         for graphs in ("", ", CUDA graphs"):
-            ways = {"zero, then add": "zero, then add" + graphs, "copy first (now)": "minibert" + (
-                ", CUDA graphs" if graphs else "")}
+            ways = {"zero, then add": "zero, then add" + graphs, "copy first (now)": "minibert" + graphs}
             times = {way: [] for way in ways}
             for _ in range(args.rounds):
                 for way, contender in ways.items():

@@ -36,6 +36,7 @@ process's CPU seconds with N is the machine's (shared cores, caches, memory, all
 the program's. N / (that growth) is the speed-up the machine allows at N workers."""
 import argparse
 import json
+import multiprocessing
 import os
 import platform
 import resource
@@ -102,7 +103,7 @@ def hf_seconds(corpus, threads, repeats):
     return json.loads(result.stdout)
 
 
-def run(workers=(1, 2), repeats=3, corpus=None, copies=20, peer=True):
+def run(workers=(1, 2), repeats=3, corpus=None, copies=20, with_peer=True):
     """Rows of name, value, unit, notes: bench/run.py's shape."""
     with tempfile.TemporaryDirectory() as tmp:
         corpus = corpus or write_corpus(os.path.join(tmp, "corpus.txt"), copies)
@@ -113,8 +114,8 @@ def run(workers=(1, 2), repeats=3, corpus=None, copies=20, peer=True):
         with open(os.path.join(tmp, "one.txt"), "w") as f:
             f.write("One short document.\n")
 
-        rows, peer, peer_wanted = [], {}, peer
-        for n in workers if peer_wanted else ():
+        rows, peer = [], {}
+        for n in workers if with_peer else ():
             peer[n] = hf_seconds(corpus, n, repeats)
             rows.append(dict(name=f"HF tokenizers encode_batch, {n} thread{'s' if n > 1 else ''}",
                              value=n_docs / peer[n], unit="docs/s",
@@ -147,7 +148,7 @@ def run(workers=(1, 2), repeats=3, corpus=None, copies=20, peer=True):
                     notes=f"{n_bytes / 1e6 / seconds[n]:.2f} MB/s; {speedup:.2f}x its {base}-worker speed "
                           f"({steady:.2f}x without start-up); "
                           + (f"{peer[n] / seconds[n]:.2f}x the peer at {n} thread{'s' if n > 1 else ''}; "
-                             if peer_wanted else "")
+                             if with_peer else "")
                           + f"CPU s: main {main_cpu:.2f}, workers {workers_cpu:.2f}"))
                 print(f"  {rows[-1]['name']}: {rows[-1]['value']:,.0f} docs/s ({rows[-1]['notes']})", flush=True)
     return rows
@@ -193,7 +194,6 @@ def _encode_alone(chunks, split_sentences, corpus, ready, go, results):
 
 def side_by_side_rows(workers, corpus=None, copies=20, split_sentences=False, megabytes=8.0):
     """CPU seconds per process when N processes do the same encoding at once, against one alone."""
-    import multiprocessing
     context = multiprocessing.get_context("spawn")
     with tempfile.TemporaryDirectory() as tmp:
         corpus = corpus or write_corpus(os.path.join(tmp, "corpus.txt"), copies)
@@ -251,7 +251,7 @@ def main():
     elif args.sequential:
         rows = [r for split in (False, True) for r in sequential_rows(args.workers, args.corpus, args.copies, split)]
     else:
-        rows = run(args.workers, args.repeats, args.corpus, args.copies, peer=not args.no_peer)
+        rows = run(args.workers, args.repeats, args.corpus, args.copies, with_peer=not args.no_peer)
     print(f"\n{platform.processor() or platform.machine()}, {os.cpu_count()} cores, Python "
           f"{platform.python_version()}; {time.strftime('%Y-%m-%d')}; command: python bench/preprocess_speed.py "
           f"{' '.join(sys.argv[1:])}".rstrip())
