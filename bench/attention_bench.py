@@ -12,6 +12,11 @@ two "eager timing" rows show one Python call each, overhead included.
     python bench/attention_bench.py --sweep    # time every candidate tile per kernel; prints the best
     python bench/attention_bench.py --sweep --head-dims 64,128
     python bench/attention_bench.py --sweep --dropout 0.1   # the tiles with attention dropout 0.1
+    python bench/attention_bench.py --sweep-short [--dropout 0.1]  # the short backward's tiles, BERT-base
+
+BERT-base's shape (b256 h12 s128 d64, no padding) gets rows of its own: there one program holds all 128
+keys, so the backward is one kernel (flash_attention_bwd.launch_short); the rows time it next to the
+dq + dkdv pair it replaces and next to cuDNN, with and without dropout.
 
 run() returns rows as bench/run.py wants them: {"name", "value", "unit", "notes"} (timings also carry "ms").
 """
@@ -81,7 +86,7 @@ def time_passes(attend, q, k, v, do, passes=("fwd", "bwd", "fwd+bwd"), timer=gra
     return {p: times[p] for p in passes}
 
 
-def sdpa(backend, mask):
+def sdpa(backend, mask, dropout_p=0.0):
     """attend(q, k, v) with one SDPA backend; mask bool [b, s] True = padding, or None."""
     from torch.nn.attention import sdpa_kernel
     from torch.nn.functional import scaled_dot_product_attention
@@ -89,8 +94,55 @@ def sdpa(backend, mask):
 
     def attend(q, k, v):
         with sdpa_kernel([backend]):
-            return scaled_dot_product_attention(q, k, v, attn_mask=keep)
+            return scaled_dot_product_attention(q, k, v, attn_mask=keep, dropout_p=dropout_p)
     return attend
+
+
+BASE = (256, 12, 128, 64)  # BERT-base's attention at micro-batch 256: b, heads, s, d
+
+
+def two_kernel_backward():
+    """A context in which flash_attention's backward runs the dq and dkdv kernels even where the short
+    one applies (pick_tiles without its short tile), to time the pair against it."""
+    import contextlib
+
+    import minibert.kernels.flash_attention as fa
+
+    @contextlib.contextmanager
+    def context():
+        original = fa.pick_tiles
+        fa.pick_tiles = lambda d, dtype: original(d, dtype)[:3] + (None,)
+        try:
+            yield
+        finally:
+            fa.pick_tiles = original
+    return context()
+
+
+def base_shape_rows():
+    """BERT-base's attention, no padding: the short backward, the two kernels, cuDNN; dropout 0 and 0.1."""
+    from torch.nn.attention import SDPBackend
+    q, k, v, do, _ = make_inputs(*BASE, lengths="none")
+    flops, rows, ms = forward_flops(*BASE), [], {}
+    for p in (0.0, 0.1):
+        tag = f"BERT-base b256 h12 s128, dropout {p}:"
+        kwargs = {"dropout_p": p, "seed": 1234} if p else {}
+        rows += timing_rows(f"{tag} ours (short backward)", time_passes(ours(None, **kwargs), q, k, v, do), flops)
+        with two_kernel_backward():
+            rows += timing_rows(f"{tag} ours (dq + dkdv kernels)", time_passes(ours(None, **kwargs), q, k, v, do),
+                                flops)
+        try:
+            rows += timing_rows(f"{tag} sdpa-cudnn", time_passes(sdpa(SDPBackend.CUDNN_ATTENTION, None, p),
+                                                                 q, k, v, do), flops)
+        except RuntimeError as e:
+            print(f"{tag} sdpa-cudnn skipped: {str(e)[:100]}")
+        ms.update({r["name"]: r["ms"] for r in rows if "ms" in r})
+        rows.append(ratio_row(f"{tag} backward, short over dq + dkdv",
+                              ms[f"{tag} ours (dq + dkdv kernels) bwd"] / ms[f"{tag} ours (short backward) bwd"]))
+        if f"{tag} sdpa-cudnn fwd+bwd" in ms:
+            rows.append(ratio_row(f"{tag} fwd+bwd, ours over sdpa-cudnn",
+                                  ms[f"{tag} sdpa-cudnn fwd+bwd"] / ms[f"{tag} ours (short backward) fwd+bwd"]))
+    return rows
 
 
 def ours(mask, **kwargs):
@@ -176,7 +228,37 @@ def run(head_dims=(32, 80, 128)):
                             time_passes(ours(pad), q, k, v, do, ("fwd", "fwd+bwd")), forward_flops(B, H, S, d))
         rows += timing_rows(f"d{d}: sdpa-efficient + mask,", time_passes(
             sdpa(SDPBackend.EFFICIENT_ATTENTION, pad), q, k, v, do, ("fwd+bwd",)), forward_flops(B, H, S, d))
-    return rows
+    return rows + base_shape_rows()
+
+
+def sweep_short(dropout_p=0.0):
+    """Time every short-backward tile at BERT-base's shape (no padding) next to the dq + dkdv pair."""
+    from minibert.kernels.flash_attention import TILE_CANDIDATES, attention_forward, pick_tiles
+    from minibert.kernels.flash_attention_bwd import backward_into, launch_short
+    if not torch.cuda.is_available():
+        raise UsageError("bench/attention_bench.py --sweep-short needs a CUDA GPU")
+    q, k, v, do, _ = make_inputs(*BASE, lengths="none")
+    tiles, scale, seed = pick_tiles(BASE[3], q.dtype), BASE[3] ** -0.5, 1234
+    out, lse = attention_forward(q, k, v, None, None, scale, dropout_p, seed, tiles[0])
+    grads = [torch.empty_like(q) for _ in range(3)]
+    pair = (*tiles[:3], None)
+    backward_into(do, q, k, v, out, lse, *grads, None, None, scale, dropout_p, seed, pair)
+    expected = [g.clone() for g in grads]
+    pair_ms = graph_ms(lambda: backward_into(do, q, k, v, out, lse, *grads, None, None, scale, dropout_p, seed, pair))
+    print(f"b256 h12 s128 d64 dropout {dropout_p}: dq + dkdv kernels {pair_ms * 1e3:7.1f} us")
+    for tile in TILE_CANDIDATES[64]["short"]:
+        try:
+            for g in grads:
+                g.zero_()
+            launch_short(do, q, k, v, out, lse, *grads, None, None, scale, dropout_p, seed, tile)
+            err = max(((g.float() - e.float()).abs().max() / e.float().abs().max()).item()
+                      for g, e in zip(grads, expected))
+            ms = graph_ms(lambda: launch_short(do, q, k, v, out, lse, *grads, None, None, scale, dropout_p, seed, tile))
+        except Exception as e:  # e.g. out of shared memory on this GPU
+            print(f"  short {tuple(tile)}: failed: {type(e).__name__}: {str(e)[:80]}")
+            continue
+        flag = "" if err < 2e-2 else f"  WRONG (error {err:.1e})"
+        print(f"  short {tuple(tile)}: {ms * 1e3:7.1f} us ({pair_ms / ms:.2f}x the pair){flag}", flush=True)
 
 
 def sweep(head_dims=(64,), dropout_p=0.0):
@@ -191,7 +273,7 @@ def sweep(head_dims=(64,), dropout_p=0.0):
         q, k, v, do, pad = make_inputs(d=d, lengths="mixed")
         bias, kv_len = prepare_padding(pad)
         scale = d ** -0.5
-        default_fwd, default_dq, default_dkdv = pick_tiles(d, q.dtype)
+        default_fwd, default_dq, default_dkdv, _ = pick_tiles(d, q.dtype)
         p, seed = dropout_p, 1234
         out, lse = attention_forward(q, k, v, bias, kv_len, scale, p, seed, default_fwd)
         delta = torch.empty_like(lse)
@@ -253,12 +335,15 @@ def print_table(rows):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sweep", action="store_true", help="time every candidate tile per kernel")
-    parser.add_argument("--dropout", type=float, default=0.0, help="attention dropout for --sweep")
+    parser.add_argument("--sweep-short", action="store_true", help="time every short-backward tile (BERT-base)")
+    parser.add_argument("--dropout", type=float, default=0.0, help="attention dropout for --sweep(-short)")
     parser.add_argument("--head-dims", default=None,
                         help="comma-separated head dims (default: 64 for --sweep; 32,80,128 extra rows otherwise)")
     args = parser.parse_args(argv)
     dims = tuple(int(x) for x in args.head_dims.split(",")) if args.head_dims else None
-    if args.sweep:
+    if args.sweep_short:
+        sweep_short(args.dropout)
+    elif args.sweep:
         sweep(dims or (64,), args.dropout)
     else:
         print_table(run(dims if dims is not None else (32, 80, 128)))

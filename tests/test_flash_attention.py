@@ -12,7 +12,7 @@ import torch
 from minibert.errors import UsageError
 from minibert.kernels.dropout import (dropout_mask, dropout_threshold, effective_dropout_p,
                                       reference_keep_mask)
-from minibert.kernels.flash_attention import (FP32_TILES, TILE_CANDIDATES, attention_forward,
+from minibert.kernels.flash_attention import (FP32_TILES, TILE_CANDIDATES, Tile, attention_forward,
                                               attention_reference, flash_attention, prepare_padding)
 from minibert.kernels.flash_attention_bwd import attention_backward
 from tests.conftest import run_without_interpreter
@@ -149,10 +149,54 @@ def test_gpu_tiles_are_correct(tiles, dropout_p):
     q32, k32, v32, do32 = (t.float() for t in (q, k, v, do))
     bias, kv_len = prepare_padding(pad)
     out, lse = attention_forward(q32, k32, v32, bias, kv_len, 0.125, dropout_p, seed, fwd)
-    grads = attention_backward(do32, q32, k32, v32, out, lse, bias, kv_len, 0.125, dropout_p, seed, dq, dkdv)
+    grads = attention_backward(do32, q32, k32, v32, out, lse, bias, kv_len, 0.125, dropout_p, seed,
+                               (fwd, dq, dkdv, None))
     keep = dropout_mask(3, 1, s, seed, dropout_p) if dropout_p else None
     expected = reference(q, k, v, do, pad, scale=0.125, dropout_p=effective_dropout_p(dropout_p), keep=keep)
     assert_matches((out, *grads), expected, pad)
+
+
+def short_and_two_kernel_grads(s, lengths, dropout_p, short, seed=7):
+    """(the short backward's (out, dq, dk, dv), the two kernels', the float64 reference) on one input."""
+    pad = right_padded(lengths, s) if lengths else None
+    if pad is not None:
+        pad[0, 5] = True  # a hole: a padded key before the last real one, which only the bias masks
+    q, k, v, do = make_inputs(len(lengths or [0, 0]), 2, s, 64, seed=s)
+    if pad is not None:
+        do = do.masked_fill(pad[:, None, :, None], 0.0)
+    q32, k32, v32, do32 = (t.float() for t in (q, k, v, do))
+    bias, kv_len = prepare_padding(pad) if pad is not None else (None, None)
+    fwd, dq, dkdv = FP32_TILES[:3] if short.block_n > 64 else (Tile(32, 16, 1, 1), Tile(16, 32, 1, 1),
+                                                                Tile(16, 32, 1, 1))
+    out, lse = attention_forward(q32, k32, v32, bias, kv_len, 0.125, dropout_p, seed, fwd)
+    one, two = (attention_backward(do32, q32, k32, v32, out, lse, bias, kv_len, 0.125, dropout_p, seed,
+                                   (fwd, dq, dkdv, last)) for last in (short, None))
+    keep = dropout_mask(q.shape[0], 2, s, seed, dropout_p) if dropout_p else None
+    expected = reference(q, k, v, do, pad, scale=0.125, dropout_p=effective_dropout_p(dropout_p), keep=keep)
+    return (out, *one), (out, *two), expected, pad
+
+
+@pytest.mark.parametrize("s, lengths, dropout_p", [(64, [64, 40, 1, 0], 0.0), (64, [64, 40, 1, 0], 0.2),
+                                                   (33, None, 0.0), (33, None, 0.2), (17, [9, 17], 0.2)])
+def test_short_backward_matches_the_two_kernels_and_the_reference(s, lengths, dropout_p):
+    """Where one program holds every key (s <= the short tile's block_n), one kernel makes dQ, dK and dV:
+    the same gradients as the dq + dkdv pair (to float32 rounding: dQ is summed in another order) and as
+    float64 attention, with padding (a fully padded sample included), without it, and with dropout."""
+    one, two, expected, pad = short_and_two_kernel_grads(s, lengths, dropout_p, Tile(16, 64, 1, 1))
+    assert_matches(one, expected, pad)
+    for a, b in zip(one[1:], two[1:]):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=2e-5)
+    if lengths and 0 in lengths:
+        assert all((g[lengths.index(0)] == 0).all() for g in one[1:])
+
+
+@pytest.mark.parametrize("tile", list({(t.block_m, t.block_n): t for t in TILE_CANDIDATES[64]["short"]}.values()),
+                         ids=lambda t: f"{t.block_m}x{t.block_n}")
+def test_short_backward_gpu_tiles_are_correct(tile):
+    """Every GPU tile of the short backward (the bench's sweep candidates) at its longest sequence,
+    with padding and dropout."""
+    one, _, expected, pad = short_and_two_kernel_grads(tile.block_n, [tile.block_n, 70, 1], 0.2, tile)
+    assert_matches(one, expected, pad)
 
 
 def hash_oracle(seed, stream, rows, cols, width, threshold):

@@ -237,7 +237,8 @@ def _attention_forward_kernel(
 # ---------------------------------------------------------------------------------------------------------
 class Tile(NamedTuple):
     """block_m query rows x block_n keys per step. The forward and dq kernels own block_m rows and loop
-    over keys; the dk/dv kernel owns block_n keys and loops over queries. Warps and stages go to Triton."""
+    over keys; the dk/dv kernel owns block_n keys and loops over queries; the short backward (sequences
+    of at most block_n keys) holds them all and loops over queries. Warps and stages go to Triton."""
     block_m: int
     block_n: int
     num_warps: int
@@ -258,18 +259,26 @@ TILE_CANDIDATES = {
          "dq": [Tile(64, 32, 4, 3), Tile(64, 32, 4, 4), Tile(64, 32, 4, 5), Tile(64, 64, 4, 3),
                 Tile(64, 64, 4, 4), Tile(128, 32, 4, 4), Tile(128, 64, 8, 3), Tile(32, 32, 4, 4)],
          "dkdv": [Tile(64, 64, 4, 2), Tile(64, 64, 4, 4), Tile(64, 64, 4, 3), Tile(32, 64, 4, 4),
-                  Tile(32, 64, 4, 3), Tile(16, 128, 4, 5), Tile(64, 128, 8, 3), Tile(32, 128, 8, 4)]},
+                  Tile(32, 64, 4, 3), Tile(16, 128, 4, 5), Tile(64, 128, 8, 3), Tile(32, 128, 8, 4)],
+         # the short backward (s <= 128): `--sweep-short` at b256 h12 s128 (H200, 2026-12-03 14:21 UTC):
+         # 210.3 us against the dq + dkdv pair's 229.9 (231.0 against 257.0 with dropout); (64, 128, 8, 1)
+         # was 1-2% faster still and is the next one to try in whole steps (bench/attention_short_h200.md)
+         "short": [Tile(64, 128, 8, 2), Tile(64, 128, 8, 1), Tile(64, 128, 4, 2), Tile(32, 128, 4, 2),
+                   Tile(32, 128, 8, 2), Tile(16, 128, 4, 2)]},
     128: {"forward": [Tile(128, 64, 8, 2), Tile(128, 64, 8, 3), Tile(128, 32, 8, 3), Tile(64, 64, 4, 3),
                       Tile(64, 64, 4, 2), Tile(64, 32, 4, 3), Tile(128, 128, 8, 1)],
           "dq": [Tile(128, 64, 8, 2), Tile(128, 64, 8, 3), Tile(128, 32, 8, 4), Tile(64, 64, 4, 3),
                  Tile(64, 32, 4, 4)],
           "dkdv": [Tile(64, 64, 8, 3), Tile(32, 64, 8, 4), Tile(16, 64, 4, 4), Tile(16, 128, 8, 4),
-                   Tile(32, 128, 8, 4)]},
+                   Tile(32, 128, 8, 4)],
+          "short": []},  # 128 keys x 128-wide heads: dK and dV alone would fill the registers
 }
-FP32_TILES = (Tile(64, 32, 4, 2), Tile(64, 32, 8, 2), Tile(32, 32, 4, 2))  # fp32 tiles are twice the bytes
+# fp32 tiles are twice the bytes; no short backward (its dK, dV and K, V blocks would not fit)
+FP32_TILES = (Tile(64, 32, 4, 2), Tile(64, 32, 8, 2), Tile(32, 32, 4, 2), None)
 # The CPU interpreter runs one program at a time in numpy: small tiles, and different block sizes per
-# kernel so the tests cross every kernel's block boundaries differently.
-INTERPRETER_TILES = (Tile(32, 16, 1, 1), Tile(16, 32, 1, 1), Tile(16, 32, 1, 1))
+# kernel so the tests cross every kernel's block boundaries differently; sequences up to 64 take the
+# short backward, longer ones the dq and dkdv kernels, so the tests' shapes run both.
+INTERPRETER_TILES = (Tile(32, 16, 1, 1), Tile(16, 32, 1, 1), Tile(16, 32, 1, 1), Tile(16, 64, 1, 1))
 
 
 def head_dim_block(d):
@@ -283,14 +292,15 @@ def head_dim_block(d):
 # the earlier Philox draw, shared by 8 keys, the forward spilled and dq wanted 128x32.)
 @functools.lru_cache(maxsize=None)
 def pick_tiles(head_dim, dtype):
-    """(forward, dq, dkdv) tiles for this head dim and dtype, with or without dropout."""
+    """(forward, dq, dkdv, short) tiles for this head dim and dtype, with or without dropout; short is None
+    where no short backward fits (flash_attention_bwd.backward_into then always runs dq and dkdv)."""
     if interpreting():
         return INTERPRETER_TILES
     if dtype == torch.float32:
         return FP32_TILES
     width = max(64, head_dim_block(head_dim))
     tiles = TILE_CANDIDATES[width]
-    return tiles["forward"][0], tiles["dq"][0], tiles["dkdv"][0]
+    return tiles["forward"][0], tiles["dq"][0], tiles["dkdv"][0], (tiles["short"] or [None])[0]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -409,9 +419,8 @@ class FlashAttention(torch.autograd.Function):
     def backward(ctx, grad_out):
         from minibert.kernels.flash_attention_bwd import attention_backward   # next door; reuses the helpers
         q, k, v, out, lse, bias, kv_len = ctx.saved_tensors
-        _, dq_tile, dkdv_tile = ctx.tiles
         dq, dk, dv = attention_backward(_last_dim_contiguous(grad_out), q, k, v, out, lse, bias, kv_len,
-                                        ctx.scale, ctx.dropout_p, ctx.seed, dq_tile, dkdv_tile)
+                                        ctx.scale, ctx.dropout_p, ctx.seed, ctx.tiles)
         return dq, dk, dv, None, None, None, None
 
 

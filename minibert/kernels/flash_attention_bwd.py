@@ -24,6 +24,11 @@ Padding: both kernels stop at kv_len (1 + last real key). Query rows at or past 
 lse is loaded as +inf, so exp2(. - inf) = 0 removes them exactly. In the dkdv kernel a key row only ever
 feeds its own dK, dV row, so the padding bias is skipped in the loop and padded key rows are zeroed once at
 the end; the dq kernel sums over keys, so it applies the bias like the forward.
+
+Short sequences (s <= the short tile's block_n, 128 on the GPU): one program can hold every key of a
+(batch, head), so a third kernel does the dkdv kernel's loop over query blocks and, since each dS block
+then covers all keys, also stores that block's dQ = dS K: 5 block matmuls, P computed once, D never
+stored, still no atomics (each dQ row has one writer). backward_into picks it where it fits.
 """
 import torch
 import triton
@@ -160,6 +165,81 @@ def _attention_backward_dkdv_kernel(
     tl.store(dv_ptrs, tl.where(real[:, None], dv * keep_scale, 0.0).to(DV.dtype.element_ty), mask=out_mask)
 
 
+@triton.jit(do_not_specialize=["seed"])
+def _attention_backward_short_kernel(
+        Q, K, V, O, DO, DQ, DK, DV, LSE, BIAS, KV_LEN,
+        stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks,
+        stride_vb, stride_vh, stride_vs, stride_ob, stride_oh, stride_os,
+        stride_dob, stride_doh, stride_dos, stride_dqb, stride_dqh, stride_dqs,
+        stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs,
+        n_heads, seq_len, qk_scale, sm_scale, seed, threshold, keep_scale,
+        HEAD_DIM: tl.constexpr, D_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        HAS_PAD: tl.constexpr, DROPOUT: tl.constexpr, VARLEN: tl.constexpr, SEED_IN_MEMORY: tl.constexpr):
+    """dQ, dK, dV of one (batch, head) whose keys all fit one block (seq_len <= BLOCK_N): the dkdv
+    kernel's loop over query blocks, where each dS block is also a whole row block of dQ = dS K."""
+    if SEED_IN_MEMORY:                                         # a CUDA graph's seed (kernels/dropout.py)
+        seed = tl.load(seed)
+    bh, _, batch, head, kv_len, token0 = _program_block(KV_LEN, n_heads, seq_len, BLOCK_N, HAS_PAD, VARLEN)
+    row_end = _row_end(kv_len, seq_len, VARLEN)
+    k1, k2, keep_limit = _dropout_keys(seed, bh, threshold)        # the forward's dropout stream
+
+    cols = tl.arange(0, BLOCK_N)                               # every key of the sample
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D_BLOCK)
+    d_ok = offs_d < HEAD_DIM
+    kv_mask = (cols[:, None] < kv_len) & d_ok[None, :]
+    k = tl.load(K + _sample_start(batch, token0, stride_kb, stride_ks) + head * stride_kh
+                + cols[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0)    # [BLOCK_N, D]
+    v = tl.load(V + _sample_start(batch, token0, stride_vb, stride_vs) + head * stride_vh
+                + cols[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0)    # [BLOCK_N, D]
+    bias = _key_bias(BIAS, batch, seq_len, cols, kv_len, HAS_PAD)  # dQ sums over keys: mask them
+    q_ptrs = (Q + _sample_start(batch, token0, stride_qb, stride_qs) + head * stride_qh
+              + offs_m[:, None] * stride_qs + offs_d[None, :])
+    o_ptrs = (O + _sample_start(batch, token0, stride_ob, stride_os) + head * stride_oh
+              + offs_m[:, None] * stride_os + offs_d[None, :])
+    do_ptrs = (DO + _sample_start(batch, token0, stride_dob, stride_dos) + head * stride_doh
+               + offs_m[:, None] * stride_dos + offs_d[None, :])
+    dq_ptrs = (DQ + _sample_start(batch, token0, stride_dqb, stride_dqs) + head * stride_dqh
+               + offs_m[:, None] * stride_dqs + offs_d[None, :])
+    dk = tl.zeros([BLOCK_N, D_BLOCK], tl.float32)
+    dv = tl.zeros([BLOCK_N, D_BLOCK], tl.float32)
+    for start_m in range(0, kv_len, BLOCK_M):
+        rows = start_m + offs_m
+        live = rows < kv_len
+        row_mask = live[:, None] & d_ok[None, :]
+        q = tl.load(q_ptrs + start_m * stride_qs, mask=row_mask, other=0.0)              # [BLOCK_M, D]
+        do = tl.load(do_ptrs + start_m * stride_dos, mask=row_mask, other=0.0)           # [BLOCK_M, D]
+        o = tl.load(o_ptrs + start_m * stride_os, mask=row_mask, other=0.0)              # [BLOCK_M, D]
+        delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)                          # D, never stored
+        lse = tl.load(LSE + bh.to(tl.int64) * seq_len + rows, mask=live, other=float("inf"))
+        p_t = tl.math.exp2(tl.dot(k, tl.trans(q)) * qk_scale + bias[:, None] - lse[None, :])  # P^T
+        dp_t = tl.dot(v, tl.trans(do))                                                     # (dO V^T)^T
+        if DROPOUT:
+            keep = _dropout_keep(k1, k2, keep_limit, rows[None, :], cols[:, None], seq_len)  # [BLOCK_N, BLOCK_M]
+            dv = tl.dot(tl.where(keep, p_t, 0.0).to(DO.dtype.element_ty), do, dv)
+            dp_t = tl.where(keep, dp_t * keep_scale, 0.0)
+        else:
+            dv = tl.dot(p_t.to(DO.dtype.element_ty), do, dv)
+        ds_t = (p_t * (dp_t - delta[None, :])).to(Q.dtype.element_ty)                    # dS^T
+        dk = tl.dot(ds_t, q, dk)
+        dq = tl.dot(tl.trans(ds_t), k)                          # all keys are here: dQ's rows are complete
+        tl.store(dq_ptrs + start_m * stride_dqs, (dq * sm_scale).to(DQ.dtype.element_ty),
+                 mask=(rows[:, None] < row_end) & d_ok[None, :])
+    for start_m in range(tl.cdiv(kv_len, BLOCK_M) * BLOCK_M, row_end, BLOCK_M):   # padding rows: dQ = 0
+        rows = start_m + offs_m
+        tl.store(dq_ptrs + start_m * stride_dqs, tl.zeros([BLOCK_M, D_BLOCK], DQ.dtype.element_ty),
+                 mask=(rows[:, None] < row_end) & d_ok[None, :])
+
+    out_mask = (cols[:, None] < row_end) & d_ok[None, :]
+    real = bias == 0.0
+    tl.store(DK + _sample_start(batch, token0, stride_dkb, stride_dks) + head * stride_dkh
+             + cols[:, None] * stride_dks + offs_d[None, :],
+             tl.where(real[:, None], dk * sm_scale, 0.0).to(DK.dtype.element_ty), mask=out_mask)
+    tl.store(DV + _sample_start(batch, token0, stride_dvb, stride_dvs) + head * stride_dvh
+             + cols[:, None] * stride_dvs + offs_d[None, :],
+             tl.where(real[:, None], dv * keep_scale, 0.0).to(DV.dtype.element_ty), mask=out_mask)
+
+
 def launch_dq(grad_out, q, k, v, out, lse, delta, dq, bias, kv_len, scale, dropout_p, seed, tile, varlen=None):
     """dq kernel (also fills delta [b, heads, s])."""
     d = q.shape[-1]
@@ -196,10 +276,50 @@ def launch_dkdv(grad_out, q, k, v, lse, delta, dk, dv, bias, kv_len, scale, drop
         SEED_IN_MEMORY=seed_in_memory(seed), num_warps=tile.num_warps, num_stages=tile.num_stages)
 
 
-def attention_backward(grad_out, q, k, v, out, lse, bias, kv_len, scale, dropout_p, seed, dq_tile, dkdv_tile):
-    """(dq, dk, dv) for flash attention's forward; arguments as attention_forward plus its out and lse."""
+def short_block(tile, seq_len):
+    """The key block of the one-kernel backward when a program can hold all seq_len keys (tile: its Tile,
+    block_n the most keys it holds; None where the head dim or dtype leaves no room), else None."""
+    if tile is None or seq_len > tile.block_n:
+        return None
+    return max(16, triton.next_power_of_2(seq_len))
+
+
+def launch_short(grad_out, q, k, v, out, lse, dq, dk, dv, bias, kv_len, scale, dropout_p, seed, tile, varlen=None):
+    """The one-kernel backward: one program per (batch, head), its keys in one block of short_block()."""
+    d = q.shape[-1]
+    b, h, s = grid_layout(q, varlen)
+    lengths = varlen.cu_seqlens if varlen is not None else kv_len
+    _attention_backward_short_kernel[(b * h,)](
+        q, k, v, out, grad_out, dq, dk, dv, lse, bias if bias is not None else lse,
+        lengths if lengths is not None else lse,
+        *strides(q, varlen), *strides(k, varlen), *strides(v, varlen), *strides(out, varlen),
+        *strides(grad_out, varlen), *strides(dq, varlen), *strides(dk, varlen), *strides(dv, varlen),
+        h, s, scale * LOG2_E, scale, seed, dropout_threshold(dropout_p),
+        1.0 / (1.0 - effective_dropout_p(dropout_p)),
+        HEAD_DIM=d, D_BLOCK=head_dim_block(d), BLOCK_M=tile.block_m, BLOCK_N=short_block(tile, s),
+        HAS_PAD=bias is not None, DROPOUT=dropout_p > 0, VARLEN=varlen is not None,
+        SEED_IN_MEMORY=seed_in_memory(seed), num_warps=tile.num_warps, num_stages=tile.num_stages)
+
+
+def backward_into(grad_out, q, k, v, out, lse, dq, dk, dv, bias, kv_len, scale, dropout_p, seed, tiles,
+                  varlen=None):
+    """Write dq, dk, dv (views the caller allocated, any strides with a unit last one). tiles: pick_tiles's
+    (forward, dq, dkdv, short). Sequences short enough for one program to hold every key take the one
+    kernel (5 block matmuls, P computed once); longer ones the dq kernel, then the dkdv kernel."""
+    _, dq_tile, dkdv_tile, short_tile = tiles
+    s = grid_layout(q, varlen)[2]
+    if short_block(short_tile, s) is not None:
+        launch_short(grad_out, q, k, v, out, lse, dq, dk, dv, bias, kv_len, scale, dropout_p, seed, short_tile,
+                     varlen)
+        return
     delta = torch.empty_like(lse)                              # [b, heads, s] float32, filled by the dq kernel
+    launch_dq(grad_out, q, k, v, out, lse, delta, dq, bias, kv_len, scale, dropout_p, seed, dq_tile, varlen)
+    launch_dkdv(grad_out, q, k, v, lse, delta, dk, dv, bias, kv_len, scale, dropout_p, seed, dkdv_tile, varlen)
+
+
+def attention_backward(grad_out, q, k, v, out, lse, bias, kv_len, scale, dropout_p, seed, tiles):
+    """(dq, dk, dv) for flash attention's forward; arguments as attention_forward plus its out and lse,
+    and pick_tiles's four tiles (tests pass others, or None as the short tile to force the two kernels)."""
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    launch_dq(grad_out, q, k, v, out, lse, delta, dq, bias, kv_len, scale, dropout_p, seed, dq_tile)
-    launch_dkdv(grad_out, q, k, v, lse, delta, dk, dv, bias, kv_len, scale, dropout_p, seed, dkdv_tile)
+    backward_into(grad_out, q, k, v, out, lse, dq, dk, dv, bias, kv_len, scale, dropout_p, seed, tiles)
     return dq, dk, dv

@@ -35,17 +35,14 @@ class FlashAttentionQKV(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        from minibert.kernels.flash_attention_bwd import launch_dkdv, launch_dq
+        from minibert.kernels.flash_attention_bwd import backward_into
         qkv, out, lse, bias, kv_len = ctx.saved_tensors
         q, k, v = _views(qkv)
         dqkv = torch.empty_like(qkv)  # [b, s, heads, 3, d]: the kernels write into its three views
         dq, dk, dv = _views(dqkv)
         grad_out = grad_out if grad_out.stride(-1) == 1 else grad_out.contiguous()
-        delta = torch.empty_like(lse)
-        _, dq_tile, dkdv_tile = ctx.tiles
-        launch_dq(grad_out, q, k, v, out, lse, delta, dq, bias, kv_len, ctx.scale, ctx.dropout_p, ctx.seed, dq_tile)
-        launch_dkdv(grad_out, q, k, v, lse, delta, dk, dv, bias, kv_len, ctx.scale, ctx.dropout_p, ctx.seed,
-                    dkdv_tile)
+        backward_into(grad_out, q, k, v, out, lse, dq, dk, dv, bias, kv_len, ctx.scale, ctx.dropout_p, ctx.seed,
+                      ctx.tiles)
         return dqkv, None, None, None, None
 
 

@@ -50,18 +50,14 @@ class FlashAttentionVarlen(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        from minibert.kernels.flash_attention_bwd import launch_dkdv, launch_dq
+        from minibert.kernels.flash_attention_bwd import backward_into
         qkv, out, lse = ctx.saved_tensors
         q, k, v = qkv.unbind(2)
         dqkv = torch.empty_like(qkv)  # [n, heads, 3, d]: the kernels write into its three views
         dq, dk, dv = dqkv.unbind(2)
         grad_out = grad_out if grad_out.stride(-1) == 1 else grad_out.contiguous()
-        delta = torch.empty_like(lse)
-        _, dq_tile, dkdv_tile = ctx.tiles
-        launch_dq(grad_out, q, k, v, out, lse, delta, dq, None, None, ctx.scale, ctx.dropout_p, ctx.seed,
-                  dq_tile, varlen=ctx.varlen)
-        launch_dkdv(grad_out, q, k, v, lse, delta, dk, dv, None, None, ctx.scale, ctx.dropout_p, ctx.seed,
-                    dkdv_tile, varlen=ctx.varlen)
+        backward_into(grad_out, q, k, v, out, lse, dq, dk, dv, None, None, ctx.scale, ctx.dropout_p, ctx.seed,
+                      ctx.tiles, varlen=ctx.varlen)
         return dqkv, None, None, None, None, None
 
 

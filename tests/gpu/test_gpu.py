@@ -148,22 +148,54 @@ def test_packed_qkv_flash_equals_plain_flash(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
-def test_varlen_flash_equals_padded_flash(dtype):
+@pytest.mark.parametrize("dropout_p", [0.0, 0.1])
+def test_short_backward_against_fp32_reference_and_the_two_kernels(dtype, dropout_p):
+    """s <= 128: the one-kernel backward on the GPU's tiles, in half precision, against fp32 attention
+    (without dropout) and against the dq + dkdv pair (with it), padding with a hole included."""
+    from minibert.kernels.dropout import dropout_mask, effective_dropout_p
+    from minibert.kernels.flash_attention import attention_forward, attention_reference, pick_tiles, prepare_padding
+    from minibert.kernels.flash_attention_bwd import attention_backward, short_block
+    g = torch.Generator(device="cuda").manual_seed(5)
+    b, h, s, d = 4, 12, 128, 64
+    q, k, v = (torch.randn(b, h, s, d, device="cuda", generator=g, dtype=dtype) for _ in range(3))
+    padding = torch.arange(s, device="cuda")[None, :] >= torch.tensor([128, 100, 65, 1], device="cuda")[:, None]
+    padding[0, 7] = True
+    real = ~padding[:, None, :, None]
+    grad = torch.randn(b, h, s, d, device="cuda", generator=g, dtype=dtype) * real
+    tiles = pick_tiles(d, dtype)
+    assert short_block(tiles[3], s) == 128  # this shape takes the short backward
+    bias, kv_len = prepare_padding(padding)
+    out, lse = attention_forward(q, k, v, bias, kv_len, d ** -0.5, dropout_p, 9, tiles[0])
+    one = attention_backward(grad, q, k, v, out, lse, bias, kv_len, d ** -0.5, dropout_p, 9, tiles)
+    two = attention_backward(grad, q, k, v, out, lse, bias, kv_len, d ** -0.5, dropout_p, 9, tiles[:3] + (None,))
+    for a, e in zip(one, two):
+        assert rel(a * real, e * real) < 5e-3
+    qf, kf, vf = (t.float().requires_grad_() for t in (q, k, v))
+    keep = dropout_mask(b, h, s, 9, dropout_p, device="cuda") if dropout_p else None
+    ref = attention_reference(qf, kf, vf, padding, keep_mask=keep, dropout_p=effective_dropout_p(dropout_p))
+    ref.backward(grad.float())
+    for ours, theirs in zip(one, (qf.grad, kf.grad, vf.grad)):
+        assert rel(ours * real, theirs * real) < 2e-2
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+@pytest.mark.parametrize("lengths, max_len", [([512, 301, 77, 1, 128, 450], 512), ([128, 101, 77, 1, 128, 64], 128)],
+                         ids=["two-kernel backward", "short backward"])
+def test_varlen_flash_equals_padded_flash(dtype, lengths, max_len):
     """Packed rows + cu_seqlens give the padded kernels' outputs and gradients bit for bit, with dropout."""
     from minibert.kernels.flash_attention_packed import flash_attention_qkv
     from minibert.kernels.flash_attention_varlen import flash_attention_varlen
     from minibert.packing import make_packing, to_device
     g = torch.Generator(device="cuda").manual_seed(2)
-    lengths = [512, 301, 77, 1, 128, 450]
-    is_pad = torch.arange(512)[None, :] >= torch.tensor(lengths)[:, None]
-    packing = to_device(make_packing(is_pad), "cuda")
-    qkv = torch.randn(6, 512, 16, 3, 64, device="cuda", generator=g, dtype=dtype)
+    is_pad = torch.arange(max_len)[None, :] >= torch.tensor(lengths)[:, None]
+    packing = to_device(make_packing(is_pad), torch.device("cuda"))
+    qkv = torch.randn(6, max_len, 16, 3, 64, device="cuda", generator=g, dtype=dtype)
     qkv = qkv.masked_fill(is_pad.cuda()[:, :, None, None, None], 0.0).requires_grad_()
     rows = qkv.detach().reshape(-1, 16, 3, 64).index_select(0, packing.index).requires_grad_()
     padded = flash_attention_qkv(qkv, is_pad.cuda(), dropout_p=0.1, seed=4)
     grad = torch.randn_like(padded)
     padded.backward(grad)
-    packed = flash_attention_varlen(rows, packing.cu_seqlens, 512, dropout_p=0.1, seed=4)
+    packed = flash_attention_varlen(rows, packing.cu_seqlens, max_len, dropout_p=0.1, seed=4)
     packed.backward(grad.transpose(1, 2).reshape(-1, 16, 64).index_select(0, packing.index))
     assert torch.equal(packed, padded.transpose(1, 2).reshape(-1, 16, 64).index_select(0, packing.index))
     assert torch.equal(rows.grad, qkv.grad.reshape(-1, 16, 3, 64).index_select(0, packing.index))
