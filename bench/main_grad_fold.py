@@ -33,7 +33,7 @@ def zero_then_add_stepper(cfg, batches, device):
     for grads in optimizer.grads:
         grads.copy_first = False
     model.train()
-    iterator = iter(batches)
+    iterator = train_bench.PrefetchingBatches(iter(batches))  # as train_bench's minibert stepper
     return lambda: train_bench.train_step(model, optimizer, scheduler, iterator, cfg, device).losses["lm loss"]
 
 

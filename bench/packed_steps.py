@@ -71,7 +71,7 @@ def kernel_ms_per_step(cfg, batches, device, steps=2, cpu_table=False):
     """Summed kernel time per step over `steps` profiled steps (after the timed ones warmed everything)."""
     model, optimizer, scheduler = build_model_and_optimizer(cfg, device)
     model.train()
-    iterator = iter(batches)
+    iterator = batches_module.PrefetchingBatches(iter(batches))  # as the trainer's
     for _ in range(3):
         train_step(model, optimizer, scheduler, iterator, cfg, device)
     torch.cuda.synchronize()

@@ -60,7 +60,7 @@ import torch  # noqa: E402
 
 from bench.train_bench_data import (SEED, length_histogram_notes, mean_real_tokens, megatron_batches,  # noqa: E402
                                     pinned, prepare_corpus, stream_batches)
-from minibert.batches import batch_flops, build_data_iterator, build_datasets  # noqa: E402
+from minibert.batches import PrefetchingBatches, batch_flops, build_data_iterator, build_datasets  # noqa: E402
 from minibert.config import Config, validate  # noqa: E402
 from minibert.errors import OneLineArgumentParser, UsageError, exit_on_usage_error  # noqa: E402
 from minibert.training_log import PEAK_FLOPS  # noqa: E402
@@ -142,7 +142,7 @@ def minibert_stepper(cfg, batches, device):
     """-> step(): one train_step over the next micro-batches (the trainer's own path)."""
     model, optimizer, scheduler = build_model_and_optimizer(cfg, device)
     model.train()
-    iterator = iter(batches)
+    iterator = PrefetchingBatches(iter(batches))  # as the trainer's: the next step's batches built early
 
     def step():
         return train_step(model, optimizer, scheduler, iterator, cfg, device).losses["lm loss"]
@@ -434,7 +434,7 @@ def section_4(settings):
 def dataloader_ms_per_iteration(cfg, prefix, settings, graphed):
     """ms per train_step fed by the trainer's own DataLoader (its worker processes make the samples)."""
     _, (train_ds, _, _) = build_datasets(cfg, log=lambda line: None)
-    loader = build_data_iterator(train_ds, 0, cfg, settings.device)
+    loader = PrefetchingBatches(build_data_iterator(train_ds, 0, cfg, settings.device))
     model, optimizer, scheduler = build_model_and_optimizer(cfg, settings.device)
     for _ in range(settings.warmup + (settings.steps if graphed else 0)):  # graphs: meet the row counts
         train_step(model, optimizer, scheduler, loader, cfg, settings.device)

@@ -19,7 +19,8 @@ written to TensorBoard (and the FLOP count behind MFU) is in training_log.py; th
 rank's model, optimizer and generators in build.py.
 
 Performance: the loop waits for the GPU once per step (the skip decision on a non-finite grad norm must
-reach the host) and at the log lines. Batches come from pinned memory and are copied without blocking.
+reach the host) and at the log lines. Batches come from pinned memory and are copied without blocking,
+and the next step's are built before that wait, while the GPU still computes (PrefetchingBatches).
 With --cuda-graph-impl local each micro-batch's forward and backward is one CUDA graph replay
 (minibert/cuda_graphs.py): for small models, whose steps are the host's launch time."""
 import functools
@@ -34,8 +35,8 @@ if __package__ in (None, ""):  # run as a script from a checkout: make `minibert
 import torch
 
 from minibert import checkpoint, resume
-from minibert.batches import (BATCH_KEYS, MicroBatchSampler, build_data_iterator, build_datasets,  # noqa: F401
-                              data_stream, get_batch)
+from minibert.batches import (BATCH_KEYS, MicroBatchSampler, PrefetchingBatches, build_data_iterator,  # noqa: F401
+                              build_datasets, data_stream, get_batch)
 from minibert.build import as_chunks, as_state, build_model_and_optimizer, build_pipeline, set_random_seed
 from minibert.config import parse_args
 from minibert.cuda_graphs import forward_backward_captured
@@ -118,9 +119,16 @@ class StepResult:
     tokens: int = 0         # real (non-padding) tokens of this rank's micro-batches
 
 
-def next_batches(data_iterator, cfg, state):
-    """This step's micro-batches for this rank, on the device (every pipeline stage reads them)."""
+def fetch_batches(data_iterator, cfg, state):
+    """The next num_micro_batches micro-batches of this rank, on the device (every pipeline stage reads them)."""
     return [get_batch(data_iterator, state.device, cfg) for _ in range(cfg.num_micro_batches)]
+
+
+def next_batches(data_iterator, cfg, state):
+    """This step's micro-batches: from a PrefetchingBatches (the training iterator) the ones it built while
+    the GPU ran the previous step; from any other iterator, fetched now."""
+    fetch = functools.partial(fetch_batches, data_iterator, cfg, state)
+    return data_iterator.take(fetch) if isinstance(data_iterator, PrefetchingBatches) else fetch()
 
 
 def train_step(model, optimizer, scheduler, data_iterator, cfg, state, pipeline=None) -> StepResult:
@@ -140,6 +148,8 @@ def train_step(model, optimizer, scheduler, data_iterator, cfg, state, pipeline=
     losses = {name: sum(m[name] for _, m in results) / len(results)
               for name in ("lm loss", "sop loss") if results and name in results[0][1]}
     nonfinite = sum((~torch.isfinite(loss)).float() for loss, _ in results) if results else None
+    if isinstance(data_iterator, PrefetchingBatches):  # the next step's batches, while the GPU runs this one
+        data_iterator.prefetch(functools.partial(fetch_batches, data_iterator, cfg, state))
     outcome = optimizer.step(nonfinite)
     if outcome.update_successful:
         scheduler.step(increment=cfg.global_batch_size)
@@ -222,6 +232,7 @@ def _train(cfg, state, on_log) -> TrainResult:
             warn=warn if state.rank == 0 else (lambda m: None))
         logger.print(f"loaded checkpoint {cfg.load} at iteration {iteration}")
     train_iterator = build_data_iterator(train_ds, consumed_train, cfg, state.device, state)
+    train_iterator = PrefetchingBatches(train_iterator) if train_iterator is not None else None
     valid_iterator = build_data_iterator(valid_ds, consumed_valid, cfg, state.device, state)
     if saved and iteration > 0 and not cfg.no_load_rng:  # last: building the iterators draws from torch's generator
         resume.set_rng_state(saved["rng_state"][0])

@@ -252,6 +252,33 @@ def test_the_data_loader_gives_the_same_batches_with_workers(data):
             assert isinstance(b[key], torch.Tensor) and b[key].dtype == torch.int64 and torch.equal(a[key], b[key])
 
 
+def test_prefetching_gives_the_steps_of_the_plain_iterator_and_reports_running_out_at_the_step(data):
+    """train_step with PrefetchingBatches (the trainer's iterator: the next step's batches built before
+    the optimizer's host sync) takes the same batches in the same order as with the plain iterator, so
+    the losses are equal; the prefetch past the last sample raises nothing, the step that needs it does."""
+    from minibert.batches import PrefetchingBatches
+    from minibert.errors import UsageError
+    cfg = Config(num_layers=1, hidden_size=32, num_attention_heads=4, seq_length=32, micro_batch_size=4,
+                 global_batch_size=8, train_iters=4, lr=1e-3, data_path=[data["prefix"]],
+                 vocab_file=data["vocab"], split="90,5,5", num_workers=0, eval_iters=1)
+    validate(cfg, device_type="cpu")
+    _, (train_ds, _, _) = build_datasets(cfg)
+    device = torch.device("cpu")
+    total = len(train_ds) // 8 * 8
+    runs = []
+    for wrap in (lambda it: it, PrefetchingBatches):
+        torch.manual_seed(0)
+        model, optimizer, scheduler = build_model_and_optimizer(cfg, device)
+        iterator = wrap(build_data_iterator(train_ds, total - 24, cfg, device))  # 3 steps' samples left
+        runs.append([float(train_step(model, optimizer, scheduler, iterator, cfg, device).losses["lm loss"])
+                     for _ in range(3)])
+        if isinstance(iterator, PrefetchingBatches):
+            assert isinstance(iterator.ready, UsageError)  # the 4th step's prefetch found no samples
+        with pytest.raises(UsageError, match="ran out of samples"):
+            train_step(model, optimizer, scheduler, iterator, cfg, device)
+    assert runs[0] == runs[1]
+
+
 def test_fp16_overflow_skips_the_update_and_the_lr_step(data, capsys):
     """Megatron's semantics at the trainer level: an overflowing fp16 step changes no weight, does not
     advance the LR schedule, is counted as skipped, and its loss is left out of the interval's mean.
