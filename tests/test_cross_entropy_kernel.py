@@ -106,6 +106,48 @@ def test_column_slice_view_is_read_in_place():
     check(view, labels, torch.bfloat16)
 
 
+def backward_nodes(grad_fn, stop):
+    """Names of the autograd nodes between grad_fn and the node `stop` (exclusive), depth first."""
+    names, todo, seen = [], [grad_fn], set()
+    while todo:
+        node = todo.pop()
+        if node is None or node is stop or node in seen:
+            continue
+        seen.add(node)
+        names.append(type(node).__name__)
+        todo += [next_node for next_node, _ in node.next_functions]
+    return names
+
+
+def test_a_column_slice_of_padded_logits_gets_its_gradient_without_autograds_copy():
+    """As the LM head does it: logits computed over a padded width (here 1024 columns), the loss over the
+    first V = 1000 through a view. The Function takes the padded tensor itself, so the gradient arrives
+    there directly (zeros in the padded columns) and autograd runs no slice backward (which would fill a
+    padded zero tensor and copy the gradient into it); loss and gradient equal the plain twin's."""
+    g = torch.Generator().manual_seed(4)
+    weight = torch.randn(1024, 16, generator=g).requires_grad_()
+    hidden = torch.randn(2, 3, 16, generator=g)
+    labels = torch.tensor([3, 999, -1, 0, 512, 7])
+
+    def loss_of(fused):
+        logits = (hidden @ weight.t())[..., :1000]                  # [2, 3, 1000]: a view of [2, 3, 1024]
+        flat = logits.reshape(-1, 1000)
+        loss = fused_cross_entropy(flat, labels) if fused else lm_cross_entropy(flat, labels)
+        return loss, logits._base
+    loss, padded = loss_of(True)
+    assert not any("Slice" in name for name in backward_nodes(loss.grad_fn, padded.grad_fn))
+    plain, _ = loss_of(False)
+    torch.testing.assert_close(loss, plain, **LOSS_TOL)
+    grad_loss = torch.rand(6, generator=g) + 0.5
+    (grad,) = torch.autograd.grad(loss, weight, grad_loss)
+    (plain_grad,) = torch.autograd.grad(plain, weight, grad_loss)
+    torch.testing.assert_close(grad, plain_grad, rtol=1e-5, atol=1e-6)
+    assert (grad[1000:] == 0).all()                                 # the padded columns: no gradient
+    loss, padded = loss_of(True)
+    (padded_grad,) = torch.autograd.grad(loss, padded, grad_loss)
+    assert padded_grad.shape[-1] == 1024 and (padded_grad[..., 1000:] == 0).all()
+
+
 def test_ignored_rows_give_zero_whatever_their_logits_and_grad():
     """Ignored rows are not read: NaN logits there and NaN grad_loss there still give loss 0 and grad 0.
     (Eager F.cross_entropy gives NaN gradients on a NaN row even when it is ignored: log_softmax sees it.)"""
@@ -213,7 +255,7 @@ def test_kernel_alone_never_reads_out_of_range_and_gives_nan():
     """What CUDA does (no host check there): the bad row's loss and gradient are NaN, the others exact."""
     logits = torch.randn(3, 100, requires_grad=True)
     labels = torch.tensor([4, 100, -1])
-    loss = _FusedCrossEntropy.apply(logits, labels, -1)
+    loss = _FusedCrossEntropy.apply(logits, labels, -1, 100)
     loss.sum().backward()
     assert torch.isnan(loss[1]) and torch.isnan(logits.grad[1]).all() and loss[2] == 0
     torch.testing.assert_close(loss[0].double(), oracle(logits[:1].detach(), labels[:1])[0], **LOSS_TOL)

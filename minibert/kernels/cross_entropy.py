@@ -133,10 +133,12 @@ def _cross_entropy_fwd_kernel(logits_ptr, labels_ptr, loss_ptr, max_ptr, log_sum
 
 @triton.jit
 def _cross_entropy_bwd_kernel(logits_ptr, labels_ptr, max_ptr, log_sum_ptr, grad_loss_ptr, grad_ptr, n_cols,
-                              row_stride, grad_loss_stride, ignore_index, BLOCK_V: tl.constexpr):
+                              row_stride, grad_width, grad_loss_stride, ignore_index, BLOCK_V: tl.constexpr):
     """grad[row, j] = (exp((x[row, j] - m) - log(s)) - [j == label]) * grad_loss[row]; 0 on ignored rows.
 
-    grad is a new contiguous [n, V] tensor; grad_loss may have any stride (0 when expanded from a sum).
+    grad is a new contiguous [n, grad_width] tensor: grad_width = V, or the row stride of a wider buffer
+    whose first V columns are the logits (its columns >= V get 0: see _padded_base); grad_loss may have
+    any stride (0 when expanded from a sum).
     Ignored rows skip both loads (a fully masked load moves no bytes) and store zeros, whatever their logits
     and grad_loss are: x = 0, m = log(s) = 0 (the forward stored those) keep softmax finite, and g = 0.
     """
@@ -147,15 +149,15 @@ def _cross_entropy_bwd_kernel(logits_ptr, labels_ptr, max_ptr, log_sum_ptr, grad
     log_sum = tl.load(log_sum_ptr + row)
     g = tl.load(grad_loss_ptr + row.to(tl.int64) * grad_loss_stride, mask=~ignored, other=0.0)
     in_row = logits_ptr + row.to(tl.int64) * row_stride
-    out_row = grad_ptr + row.to(tl.int64) * n_cols
+    out_row = grad_ptr + row.to(tl.int64) * grad_width
     n_read = tl.where(ignored, 0, n_cols)                                    # ignored rows read nothing
-    for start in range(0, n_cols, BLOCK_V):
+    for start in range(0, grad_width, BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)
-        ok = cols < n_cols
         x = tl.load(in_row + cols, mask=cols < n_read, other=0.0).to(tl.float32)
         softmax = tl.exp((x - row_max) - log_sum)                            # <= 1: never overflows
         grad = tl.where(cols == label, softmax - 1.0, softmax) * g           # ignored: g = 0, m = log(s) = 0
-        tl.store(out_row + cols, grad.to(grad_ptr.dtype.element_ty), mask=ok)
+        grad = tl.where(cols < n_cols, grad, 0.0)                            # a wider buffer's extra columns
+        tl.store(out_row + cols, grad.to(grad_ptr.dtype.element_ty), mask=cols < grad_width)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -206,33 +208,58 @@ def _forward(logits, labels, ignore_index, config=None):
     return loss, row_max, log_sum
 
 
-def _backward(logits, labels, row_max, log_sum, grad_loss, ignore_index, config=None):
-    """-> grad [n, V], contiguous, in logits.dtype."""
+def _backward(logits, labels, row_max, log_sum, grad_loss, ignore_index, config=None, grad_width=None):
+    """-> grad [n, grad_width] (default V), contiguous, in logits.dtype; columns >= V are 0."""
     n, n_cols = logits.shape
-    grad = torch.empty((n, n_cols), dtype=logits.dtype, device=logits.device)
+    grad_width = grad_width or n_cols
+    grad = torch.empty((n, grad_width), dtype=logits.dtype, device=logits.device)
     if n > 0:
         config = config or kernel_config(n_cols, "backward")
         _cross_entropy_bwd_kernel[(n,)](logits, labels, row_max, log_sum, grad_loss, grad, n_cols,
-                                        logits.stride(0), grad_loss.stride(0), ignore_index,
+                                        logits.stride(0), grad_width, grad_loss.stride(0), ignore_index,
                                         BLOCK_V=config.block_v, num_warps=config.num_warps)
     return grad
 
 
+def _padded_base(logits):
+    """The contiguous [n, W] tensor whose first V columns logits [n, V] is, viewed 2-D, or None.
+
+    The LM head multiplies the whole padded table, [n, padded vocab], and keeps the real vocab's columns as
+    a view (minibert.model.TiedDecoder). Autograd's backward of that view makes a zeroed [n, padded vocab]
+    tensor and copies the gradient into its first V columns: a fill and a strided copy of the whole
+    gradient, 2.9 ms of a 52 ms BERT-base step on an H200 (bench/kernel_table.py). Taking the wider
+    tensor as the Function's input instead, the backward writes that padded gradient itself (zeros past
+    V) and autograd has nothing to copy; the forward reads the same V columns as before."""
+    base = logits._base
+    if base is None or not base.is_contiguous() or logits.shape[1] == 0 or base.requires_grad != logits.requires_grad:
+        return None
+    width = base.shape[-1]
+    if (logits.stride() != (width, 1) or logits.storage_offset() != base.storage_offset()
+            or base.numel() != logits.shape[0] * width or width <= logits.shape[1]):
+        return None
+    return base.view(logits.shape[0], width)
+
+
 class _FusedCrossEntropy(torch.autograd.Function):
-    """Forward saves the logits as given (a view, not a copy), the labels, and m, log(s): fp32 [n] each."""
+    """Forward saves the logits as given (a view, not a copy), the labels, and m, log(s): fp32 [n] each.
+    logits may be wider than the n_cols columns the loss covers (a padded base: _padded_base); its other
+    columns are never read and get gradient 0."""
 
     @staticmethod
-    def forward(ctx, logits, labels, ignore_index):
-        loss, row_max, log_sum = _forward(logits, labels, ignore_index)
+    def forward(ctx, logits, labels, ignore_index, n_cols):
+        real = logits[:, :n_cols]
+        loss, row_max, log_sum = _forward(real, labels, ignore_index)
         ctx.save_for_backward(logits, labels, row_max, log_sum)
-        ctx.ignore_index = ignore_index
+        ctx.ignore_index, ctx.n_cols = ignore_index, n_cols
         return loss
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_loss):
         logits, labels, row_max, log_sum = ctx.saved_tensors
-        return _backward(logits, labels, row_max, log_sum, grad_loss, ctx.ignore_index), None, None
+        grad = _backward(logits[:, :ctx.n_cols], labels, row_max, log_sum, grad_loss, ctx.ignore_index,
+                         grad_width=logits.shape[1])
+        return grad, None, None, None
 
 
 def fused_cross_entropy(logits, labels, ignore_index=-1):
@@ -244,7 +271,9 @@ def fused_cross_entropy(logits, labels, ignore_index=-1):
     order; the gradient w.r.t. logits is the fp32 gradient rounded once to logits.dtype.
     """
     _check_inputs(logits, labels, ignore_index)
-    return _FusedCrossEntropy.apply(logits, labels.contiguous(), int(ignore_index))  # labels: n ints, cheap
+    wide = _padded_base(logits)  # the padded logits the view was cut from: gradient without autograd's copy
+    return _FusedCrossEntropy.apply(logits if wide is None else wide, labels.contiguous(), int(ignore_index),
+                                    logits.shape[1])  # labels: n ints, cheap
 
 
 # --------------------------------------------------------------------------------------------------
