@@ -43,6 +43,15 @@ def tiny_args(data, *extra):
     return args + [str(e) for e in extra]
 
 
+def one_layer_config(data, device_type="cpu", **overrides):
+    """A validated 1-layer Config on the tiny corpus, for tests that call the trainer's pieces directly."""
+    cfg = Config(num_layers=1, hidden_size=32, num_attention_heads=4, seq_length=32, micro_batch_size=4,
+                 global_batch_size=8, train_iters=4, lr=1e-3, data_path=[data["prefix"]],
+                 vocab_file=data["vocab"], split="90,5,5", num_workers=0, eval_iters=1, **overrides)
+    validate(cfg, device_type=device_type)
+    return cfg
+
+
 def run_cli(args, env_extra=None):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", **(env_extra or {})}
     env.pop("WORLD_SIZE", None)
@@ -237,10 +246,7 @@ def test_the_data_loader_gives_the_same_batches_with_workers(data):
     """The worker processes hand their micro-batches over as numpy arrays (batches.stack_samples: cheaper
     than a shared-memory file per tensor); the main process sees the same int64 tensors, in the same
     order, as with no workers."""
-    cfg = Config(num_layers=1, hidden_size=32, num_attention_heads=4, seq_length=32, micro_batch_size=4,
-                 global_batch_size=8, train_iters=4, lr=1e-3, data_path=[data["prefix"]],
-                 vocab_file=data["vocab"], split="90,5,5", num_workers=0, eval_iters=1)
-    validate(cfg, device_type="cpu")
+    cfg = one_layer_config(data)
     _, (train_ds, _, _) = build_datasets(cfg)
     device = torch.device("cpu")
     alone = build_data_iterator(train_ds, 8, cfg, device)
@@ -258,10 +264,7 @@ def test_prefetching_gives_the_steps_of_the_plain_iterator_and_reports_running_o
     the losses are equal; the prefetch past the last sample raises nothing, the step that needs it does."""
     from minibert.batches import PrefetchingBatches
     from minibert.errors import UsageError
-    cfg = Config(num_layers=1, hidden_size=32, num_attention_heads=4, seq_length=32, micro_batch_size=4,
-                 global_batch_size=8, train_iters=4, lr=1e-3, data_path=[data["prefix"]],
-                 vocab_file=data["vocab"], split="90,5,5", num_workers=0, eval_iters=1)
-    validate(cfg, device_type="cpu")
+    cfg = one_layer_config(data)
     _, (train_ds, _, _) = build_datasets(cfg)
     device = torch.device("cpu")
     total = len(train_ds) // 8 * 8
@@ -283,10 +286,7 @@ def test_fp16_overflow_skips_the_update_and_the_lr_step(data, capsys):
     """Megatron's semantics at the trainer level: an overflowing fp16 step changes no weight, does not
     advance the LR schedule, is counted as skipped, and its loss is left out of the interval's mean.
     (fp16 runs on the CPU here by calling the pieces directly; the CLI switches a CPU run to fp32.)"""
-    cfg = Config(num_layers=1, hidden_size=32, num_attention_heads=4, seq_length=32, micro_batch_size=4,
-                 global_batch_size=8, train_iters=4, lr=1e-3, data_path=[data["prefix"]],
-                 vocab_file=data["vocab"], split="90,5,5", num_workers=0, eval_iters=1, fp16=True)
-    validate(cfg, device_type="cuda")  # validated as for a GPU, so fp16 stays on
+    cfg = one_layer_config(data, "cuda", fp16=True)  # validated as for a GPU, so fp16 stays on
     device = torch.device("cpu")
     _, (train_ds, _, _) = build_datasets(cfg)
     model, optimizer, scheduler = build_model_and_optimizer(cfg, device)
