@@ -252,7 +252,9 @@ class TiedDecoder(nn.Module):
     over tensor-parallel ranks). The matmul runs over the whole padded table, because a multiple of 128
     columns is what the GPU's matmul kernels are fastest at (an odd width like 30524 falls back to slower
     kernels), and the padded columns are then cut off as a view, so the softmax/CE only ever covers the real
-    vocab: the padding can never change the loss, whatever its rows hold. Tensor parallelism swaps this
+    vocab: the padding can never change the loss, whatever its rows hold. (The fused loss hands its
+    gradient to the padded logits directly, so the view costs no copy in the backward either:
+    minibert.kernels.cross_entropy._padded_base.) Tensor parallelism swaps this
     module for a vocab-parallel one (each rank its block of rows; the cross entropy masks the padding)."""
 
     def __init__(self, vocab_size):
