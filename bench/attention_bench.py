@@ -21,6 +21,7 @@ dq + dkdv pair it replaces and next to cuDNN, with and without dropout.
 run() returns rows as bench/run.py wants them: {"name", "value", "unit", "notes"} (timings also carry "ms").
 """
 import argparse
+import contextlib
 import os
 import sys
 
@@ -101,22 +102,17 @@ def sdpa(backend, mask, dropout_p=0.0):
 BASE = (256, 12, 128, 64)  # BERT-base's attention at micro-batch 256: b, heads, s, d
 
 
+@contextlib.contextmanager
 def two_kernel_backward():
     """A context in which flash_attention's backward runs the dq and dkdv kernels even where the short
     one applies (pick_tiles without its short tile), to time the pair against it."""
-    import contextlib
-
     import minibert.kernels.flash_attention as fa
-
-    @contextlib.contextmanager
-    def context():
-        original = fa.pick_tiles
-        fa.pick_tiles = lambda d, dtype: original(d, dtype)[:3] + (None,)
-        try:
-            yield
-        finally:
-            fa.pick_tiles = original
-    return context()
+    original = fa.pick_tiles
+    fa.pick_tiles = lambda d, dtype: original(d, dtype)[:3] + (None,)
+    try:
+        yield
+    finally:
+        fa.pick_tiles = original
 
 
 def base_shape_rows():
