@@ -12,7 +12,7 @@ import torch
 from minibert.errors import UsageError
 from minibert.kernels.dropout import (dropout_mask, dropout_threshold, effective_dropout_p,
                                       reference_keep_mask)
-from minibert.kernels.flash_attention import (FP32_TILES, TILE_CANDIDATES, Tile, attention_forward,
+from minibert.kernels.flash_attention import (FP32_TILES, INTERPRETER_TILES, TILE_CANDIDATES, Tile, attention_forward,
                                               attention_reference, flash_attention, prepare_padding)
 from minibert.kernels.flash_attention_bwd import attention_backward
 from tests.conftest import run_without_interpreter
@@ -166,8 +166,7 @@ def short_and_two_kernel_grads(s, lengths, dropout_p, short, seed=7):
         do = do.masked_fill(pad[:, None, :, None], 0.0)
     q32, k32, v32, do32 = (t.float() for t in (q, k, v, do))
     bias, kv_len = prepare_padding(pad) if pad is not None else (None, None)
-    fwd, dq, dkdv = FP32_TILES[:3] if short.block_n > 64 else (Tile(32, 16, 1, 1), Tile(16, 32, 1, 1),
-                                                                Tile(16, 32, 1, 1))
+    fwd, dq, dkdv = FP32_TILES[:3] if short.block_n > 64 else INTERPRETER_TILES[:3]
     out, lse = attention_forward(q32, k32, v32, bias, kv_len, 0.125, dropout_p, seed, fwd)
     one, two = (attention_backward(do32, q32, k32, v32, out, lse, bias, kv_len, 0.125, dropout_p, seed,
                                    (fwd, dq, dkdv, last)) for last in (short, None))

@@ -145,6 +145,13 @@ def _sample_start(batch, token0, stride_b, stride_s):
 
 
 @triton.jit
+def _head_rows(X, batch, token0, head, rows, offs_d, stride_b, stride_h, stride_s):
+    """Pointers [len(rows), D_BLOCK] to the given rows of one head of one sample (padded or varlen)."""
+    return (X + _sample_start(batch, token0, stride_b, stride_s) + head * stride_h
+            + rows[:, None] * stride_s + offs_d[None, :])
+
+
+@triton.jit
 def _key_bias(BIAS, batch, seq_len, cols, kv_len, HAS_PAD: tl.constexpr):
     """[BLOCK_N] additive bias: 0 for a real key, -1e30 for padding or a column past kv_len.
     (float32, not the bool mask: 4-byte loads are what Triton's pipeliner prefetches.)"""
@@ -189,8 +196,7 @@ def _attention_forward_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D_BLOCK)
     d_ok = offs_d < HEAD_DIM                              # d=80 runs in a 128-wide block, masked
-    o_ptrs = (O + _sample_start(batch, token0, stride_ob, stride_os) + head * stride_oh
-              + rows[:, None] * stride_os + offs_d[None, :])
+    o_ptrs = _head_rows(O, batch, token0, head, rows, offs_d, stride_ob, stride_oh, stride_os)
     lse_ptrs = LSE + bh.to(tl.int64) * seq_len + rows
     if start_m >= kv_len:                                 # only padding here: zeros, no work
         tl.store(o_ptrs, tl.zeros([BLOCK_M, D_BLOCK], O.dtype.element_ty),
@@ -198,12 +204,9 @@ def _attention_forward_kernel(
         tl.store(lse_ptrs, tl.zeros([BLOCK_M], tl.float32), mask=rows < seq_len)
         return
 
-    q_ptrs = (Q + _sample_start(batch, token0, stride_qb, stride_qs) + head * stride_qh
-              + rows[:, None] * stride_qs + offs_d[None, :])
-    k_ptrs = (K + _sample_start(batch, token0, stride_kb, stride_ks) + head * stride_kh
-              + offs_n[:, None] * stride_ks + offs_d[None, :])
-    v_ptrs = (V + _sample_start(batch, token0, stride_vb, stride_vs) + head * stride_vh
-              + offs_n[:, None] * stride_vs + offs_d[None, :])
+    q_ptrs = _head_rows(Q, batch, token0, head, rows, offs_d, stride_qb, stride_qh, stride_qs)
+    k_ptrs = _head_rows(K, batch, token0, head, offs_n, offs_d, stride_kb, stride_kh, stride_ks)
+    v_ptrs = _head_rows(V, batch, token0, head, offs_n, offs_d, stride_vb, stride_vh, stride_vs)
     q = tl.load(q_ptrs, mask=(rows[:, None] < row_end) & d_ok[None, :], other=0.0)   # [BLOCK_M, D]
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max (base-2 units)

@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from minibert.kernels.dropout import _dropout_keep, _dropout_keys, dropout_threshold, effective_dropout_p, seed_in_memory
-from minibert.kernels.flash_attention import (LOG2_E, _key_bias, _program_block, _row_end, _sample_start,
+from minibert.kernels.flash_attention import (LOG2_E, _head_rows, _key_bias, _program_block, _row_end,
                                               grid_layout, head_dim_block, strides)
 
 
@@ -59,8 +59,7 @@ def _attention_backward_dq_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D_BLOCK)
     d_ok = offs_d < HEAD_DIM
-    dq_ptrs = (DQ + _sample_start(batch, token0, stride_dqb, stride_dqs) + head * stride_dqh
-               + rows[:, None] * stride_dqs + offs_d[None, :])
+    dq_ptrs = _head_rows(DQ, batch, token0, head, rows, offs_d, stride_dqb, stride_dqh, stride_dqs)
     if start_m >= kv_len:                                      # padding rows only
         tl.store(dq_ptrs, tl.zeros([BLOCK_M, D_BLOCK], DQ.dtype.element_ty),
                  mask=(rows[:, None] < row_end) & d_ok[None, :])
@@ -68,20 +67,18 @@ def _attention_backward_dq_kernel(
 
     live = rows < kv_len                                       # rows past kv_len contribute nothing
     row_mask = live[:, None] & d_ok[None, :]
-    q = tl.load(Q + _sample_start(batch, token0, stride_qb, stride_qs) + head * stride_qh
-                + rows[:, None] * stride_qs + offs_d[None, :], mask=row_mask, other=0.0)   # [BLOCK_M, D]
-    do = tl.load(DO + _sample_start(batch, token0, stride_dob, stride_dos) + head * stride_doh
-                 + rows[:, None] * stride_dos + offs_d[None, :], mask=row_mask, other=0.0) # [BLOCK_M, D]
-    o = tl.load(O + _sample_start(batch, token0, stride_ob, stride_os) + head * stride_oh
-                + rows[:, None] * stride_os + offs_d[None, :], mask=row_mask, other=0.0)   # [BLOCK_M, D]
+    q = tl.load(_head_rows(Q, batch, token0, head, rows, offs_d, stride_qb, stride_qh, stride_qs),
+                mask=row_mask, other=0.0)                                                 # [BLOCK_M, D]
+    do = tl.load(_head_rows(DO, batch, token0, head, rows, offs_d, stride_dob, stride_doh, stride_dos),
+                 mask=row_mask, other=0.0)                                                # [BLOCK_M, D]
+    o = tl.load(_head_rows(O, batch, token0, head, rows, offs_d, stride_ob, stride_oh, stride_os),
+                mask=row_mask, other=0.0)                                                 # [BLOCK_M, D]
     delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)                                # [BLOCK_M]
     tl.store(DELTA + bh.to(tl.int64) * seq_len + rows, delta, mask=rows < seq_len)
     lse = tl.load(LSE + bh.to(tl.int64) * seq_len + rows, mask=live, other=float("inf"))
 
-    k_ptrs = (K + _sample_start(batch, token0, stride_kb, stride_ks) + head * stride_kh
-              + offs_n[:, None] * stride_ks + offs_d[None, :])
-    v_ptrs = (V + _sample_start(batch, token0, stride_vb, stride_vs) + head * stride_vh
-              + offs_n[:, None] * stride_vs + offs_d[None, :])
+    k_ptrs = _head_rows(K, batch, token0, head, offs_n, offs_d, stride_kb, stride_kh, stride_ks)
+    v_ptrs = _head_rows(V, batch, token0, head, offs_n, offs_d, stride_vb, stride_vh, stride_vs)
     dq = tl.zeros([BLOCK_M, D_BLOCK], tl.float32)
     for start_n in range(0, kv_len, BLOCK_N):
         cols = start_n + offs_n
@@ -120,24 +117,20 @@ def _attention_backward_dkdv_kernel(
     offs_d = tl.arange(0, D_BLOCK)
     d_ok = offs_d < HEAD_DIM
     out_mask = (cols[:, None] < _row_end(kv_len, seq_len, VARLEN)) & d_ok[None, :]
-    dk_ptrs = (DK + _sample_start(batch, token0, stride_dkb, stride_dks) + head * stride_dkh
-               + cols[:, None] * stride_dks + offs_d[None, :])
-    dv_ptrs = (DV + _sample_start(batch, token0, stride_dvb, stride_dvs) + head * stride_dvh
-               + cols[:, None] * stride_dvs + offs_d[None, :])
+    dk_ptrs = _head_rows(DK, batch, token0, head, cols, offs_d, stride_dkb, stride_dkh, stride_dks)
+    dv_ptrs = _head_rows(DV, batch, token0, head, cols, offs_d, stride_dvb, stride_dvh, stride_dvs)
     if start_n >= kv_len:                                      # padding keys only
         tl.store(dk_ptrs, tl.zeros([BLOCK_N, D_BLOCK], DK.dtype.element_ty), mask=out_mask)
         tl.store(dv_ptrs, tl.zeros([BLOCK_N, D_BLOCK], DV.dtype.element_ty), mask=out_mask)
         return
 
     kv_mask = (cols[:, None] < kv_len) & d_ok[None, :]
-    k = tl.load(K + _sample_start(batch, token0, stride_kb, stride_ks) + head * stride_kh
-                + cols[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0)    # [BLOCK_N, D]
-    v = tl.load(V + _sample_start(batch, token0, stride_vb, stride_vs) + head * stride_vh
-                + cols[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0)    # [BLOCK_N, D]
-    q_ptrs = (Q + _sample_start(batch, token0, stride_qb, stride_qs) + head * stride_qh
-              + offs_m[:, None] * stride_qs + offs_d[None, :])
-    do_ptrs = (DO + _sample_start(batch, token0, stride_dob, stride_dos) + head * stride_doh
-               + offs_m[:, None] * stride_dos + offs_d[None, :])
+    k = tl.load(_head_rows(K, batch, token0, head, cols, offs_d, stride_kb, stride_kh, stride_ks),
+                mask=kv_mask, other=0.0)                                                  # [BLOCK_N, D]
+    v = tl.load(_head_rows(V, batch, token0, head, cols, offs_d, stride_vb, stride_vh, stride_vs),
+                mask=kv_mask, other=0.0)                                                  # [BLOCK_N, D]
+    q_ptrs = _head_rows(Q, batch, token0, head, offs_m, offs_d, stride_qb, stride_qh, stride_qs)
+    do_ptrs = _head_rows(DO, batch, token0, head, offs_m, offs_d, stride_dob, stride_doh, stride_dos)
     dk = tl.zeros([BLOCK_N, D_BLOCK], tl.float32)
     dv = tl.zeros([BLOCK_N, D_BLOCK], tl.float32)
     for start_m in range(0, kv_len, BLOCK_M):
@@ -188,19 +181,15 @@ def _attention_backward_short_kernel(
     offs_d = tl.arange(0, D_BLOCK)
     d_ok = offs_d < HEAD_DIM
     kv_mask = (cols[:, None] < kv_len) & d_ok[None, :]
-    k = tl.load(K + _sample_start(batch, token0, stride_kb, stride_ks) + head * stride_kh
-                + cols[:, None] * stride_ks + offs_d[None, :], mask=kv_mask, other=0.0)    # [BLOCK_N, D]
-    v = tl.load(V + _sample_start(batch, token0, stride_vb, stride_vs) + head * stride_vh
-                + cols[:, None] * stride_vs + offs_d[None, :], mask=kv_mask, other=0.0)    # [BLOCK_N, D]
+    k = tl.load(_head_rows(K, batch, token0, head, cols, offs_d, stride_kb, stride_kh, stride_ks),
+                mask=kv_mask, other=0.0)                                                  # [BLOCK_N, D]
+    v = tl.load(_head_rows(V, batch, token0, head, cols, offs_d, stride_vb, stride_vh, stride_vs),
+                mask=kv_mask, other=0.0)                                                  # [BLOCK_N, D]
     bias = _key_bias(BIAS, batch, seq_len, cols, kv_len, HAS_PAD)  # dQ sums over keys: mask them
-    q_ptrs = (Q + _sample_start(batch, token0, stride_qb, stride_qs) + head * stride_qh
-              + offs_m[:, None] * stride_qs + offs_d[None, :])
-    o_ptrs = (O + _sample_start(batch, token0, stride_ob, stride_os) + head * stride_oh
-              + offs_m[:, None] * stride_os + offs_d[None, :])
-    do_ptrs = (DO + _sample_start(batch, token0, stride_dob, stride_dos) + head * stride_doh
-               + offs_m[:, None] * stride_dos + offs_d[None, :])
-    dq_ptrs = (DQ + _sample_start(batch, token0, stride_dqb, stride_dqs) + head * stride_dqh
-               + offs_m[:, None] * stride_dqs + offs_d[None, :])
+    q_ptrs = _head_rows(Q, batch, token0, head, offs_m, offs_d, stride_qb, stride_qh, stride_qs)
+    o_ptrs = _head_rows(O, batch, token0, head, offs_m, offs_d, stride_ob, stride_oh, stride_os)
+    do_ptrs = _head_rows(DO, batch, token0, head, offs_m, offs_d, stride_dob, stride_doh, stride_dos)
+    dq_ptrs = _head_rows(DQ, batch, token0, head, offs_m, offs_d, stride_dqb, stride_dqh, stride_dqs)
     dk = tl.zeros([BLOCK_N, D_BLOCK], tl.float32)
     dv = tl.zeros([BLOCK_N, D_BLOCK], tl.float32)
     for start_m in range(0, kv_len, BLOCK_M):
@@ -232,48 +221,41 @@ def _attention_backward_short_kernel(
 
     out_mask = (cols[:, None] < row_end) & d_ok[None, :]
     real = bias == 0.0
-    tl.store(DK + _sample_start(batch, token0, stride_dkb, stride_dks) + head * stride_dkh
-             + cols[:, None] * stride_dks + offs_d[None, :],
+    tl.store(_head_rows(DK, batch, token0, head, cols, offs_d, stride_dkb, stride_dkh, stride_dks),
              tl.where(real[:, None], dk * sm_scale, 0.0).to(DK.dtype.element_ty), mask=out_mask)
-    tl.store(DV + _sample_start(batch, token0, stride_dvb, stride_dvs) + head * stride_dvh
-             + cols[:, None] * stride_dvs + offs_d[None, :],
+    tl.store(_head_rows(DV, batch, token0, head, cols, offs_d, stride_dvb, stride_dvh, stride_dvs),
              tl.where(real[:, None], dv * keep_scale, 0.0).to(DV.dtype.element_ty), mask=out_mask)
 
 
-def launch_dq(grad_out, q, k, v, out, lse, delta, dq, bias, kv_len, scale, dropout_p, seed, tile, varlen=None):
-    """dq kernel (also fills delta [b, heads, s])."""
-    d = q.shape[-1]
-    b, h, s = grid_layout(q, varlen)
+def _launch(kernel, grid, tensors, stats, bias, kv_len, scale, dropout_p, seed, tile, block_n, varlen):
+    """kernel[grid] with the argument list the three backward kernels share: their tensors, then lse (and
+    delta), the key bias and the lengths (lse stands in for an absent one: never read), the tensors'
+    strides, then the scalars and the tile's constants."""
+    d = tensors[0].shape[-1]                                   # tensors[0] is q
+    _, h, s = grid_layout(tensors[0], varlen)
     lengths = varlen.cu_seqlens if varlen is not None else kv_len
-    grid = (triton.cdiv(s, tile.block_m) * b * h,)
-    _attention_backward_dq_kernel[grid](
-        q, k, v, out, grad_out, dq, lse, delta, bias if bias is not None else lse,
-        lengths if lengths is not None else lse,
-        *strides(q, varlen), *strides(k, varlen), *strides(v, varlen), *strides(out, varlen),
-        *strides(grad_out, varlen), *strides(dq, varlen),
+    kernel[grid](
+        *tensors, *stats, bias if bias is not None else stats[0], lengths if lengths is not None else stats[0],
+        *(stride for t in tensors for stride in strides(t, varlen)),
         h, s, scale * LOG2_E, scale, seed, dropout_threshold(dropout_p),
         1.0 / (1.0 - effective_dropout_p(dropout_p)),
-        HEAD_DIM=d, D_BLOCK=head_dim_block(d), BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
+        HEAD_DIM=d, D_BLOCK=head_dim_block(d), BLOCK_M=tile.block_m, BLOCK_N=block_n,
         HAS_PAD=bias is not None, DROPOUT=dropout_p > 0, VARLEN=varlen is not None,
         SEED_IN_MEMORY=seed_in_memory(seed), num_warps=tile.num_warps, num_stages=tile.num_stages)
+
+
+def launch_dq(grad_out, q, k, v, out, lse, delta, dq, bias, kv_len, scale, dropout_p, seed, tile, varlen=None):
+    """dq kernel (also fills delta [b, heads, s]): one program per block of block_m queries."""
+    b, h, s = grid_layout(q, varlen)
+    _launch(_attention_backward_dq_kernel, (triton.cdiv(s, tile.block_m) * b * h,), (q, k, v, out, grad_out, dq),
+            (lse, delta), bias, kv_len, scale, dropout_p, seed, tile, tile.block_n, varlen)
 
 
 def launch_dkdv(grad_out, q, k, v, lse, delta, dk, dv, bias, kv_len, scale, dropout_p, seed, tile, varlen=None):
-    """dkdv kernel (reads the delta written by launch_dq)."""
-    d = q.shape[-1]
+    """dkdv kernel (reads the delta written by launch_dq): one program per block of block_n keys."""
     b, h, s = grid_layout(q, varlen)
-    lengths = varlen.cu_seqlens if varlen is not None else kv_len
-    grid = (triton.cdiv(s, tile.block_n) * b * h,)
-    _attention_backward_dkdv_kernel[grid](
-        q, k, v, grad_out, dk, dv, lse, delta, bias if bias is not None else lse,
-        lengths if lengths is not None else lse,
-        *strides(q, varlen), *strides(k, varlen), *strides(v, varlen), *strides(grad_out, varlen),
-        *strides(dk, varlen), *strides(dv, varlen),
-        h, s, scale * LOG2_E, scale, seed, dropout_threshold(dropout_p),
-        1.0 / (1.0 - effective_dropout_p(dropout_p)),
-        HEAD_DIM=d, D_BLOCK=head_dim_block(d), BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
-        HAS_PAD=bias is not None, DROPOUT=dropout_p > 0, VARLEN=varlen is not None,
-        SEED_IN_MEMORY=seed_in_memory(seed), num_warps=tile.num_warps, num_stages=tile.num_stages)
+    _launch(_attention_backward_dkdv_kernel, (triton.cdiv(s, tile.block_n) * b * h,), (q, k, v, grad_out, dk, dv),
+            (lse, delta), bias, kv_len, scale, dropout_p, seed, tile, tile.block_n, varlen)
 
 
 def short_block(tile, seq_len):
@@ -286,19 +268,9 @@ def short_block(tile, seq_len):
 
 def launch_short(grad_out, q, k, v, out, lse, dq, dk, dv, bias, kv_len, scale, dropout_p, seed, tile, varlen=None):
     """The one-kernel backward: one program per (batch, head), its keys in one block of short_block()."""
-    d = q.shape[-1]
     b, h, s = grid_layout(q, varlen)
-    lengths = varlen.cu_seqlens if varlen is not None else kv_len
-    _attention_backward_short_kernel[(b * h,)](
-        q, k, v, out, grad_out, dq, dk, dv, lse, bias if bias is not None else lse,
-        lengths if lengths is not None else lse,
-        *strides(q, varlen), *strides(k, varlen), *strides(v, varlen), *strides(out, varlen),
-        *strides(grad_out, varlen), *strides(dq, varlen), *strides(dk, varlen), *strides(dv, varlen),
-        h, s, scale * LOG2_E, scale, seed, dropout_threshold(dropout_p),
-        1.0 / (1.0 - effective_dropout_p(dropout_p)),
-        HEAD_DIM=d, D_BLOCK=head_dim_block(d), BLOCK_M=tile.block_m, BLOCK_N=short_block(tile, s),
-        HAS_PAD=bias is not None, DROPOUT=dropout_p > 0, VARLEN=varlen is not None,
-        SEED_IN_MEMORY=seed_in_memory(seed), num_warps=tile.num_warps, num_stages=tile.num_stages)
+    _launch(_attention_backward_short_kernel, (b * h,), (q, k, v, out, grad_out, dq, dk, dv), (lse,), bias, kv_len,
+            scale, dropout_p, seed, tile, short_block(tile, s), varlen)
 
 
 def backward_into(grad_out, q, k, v, out, lse, dq, dk, dv, bias, kv_len, scale, dropout_p, seed, tiles,
