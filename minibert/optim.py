@@ -8,7 +8,9 @@ its size (bf16 keeps 8 bits of mantissa: 1 + 2^-9 rounds back to 1).
     model params (bf16/fp16) --forward/backward--> param.grad (16-bit)
          ^                                              | hook after each micro-batch: main_grad += grad
          |                                              v     (fp32 buckets, minibert.parallel.data_parallel)
-    copy back <-- AdamW <-- clip <-- grad norm <-- all-reduce over DP (fp16: unscale first)
+    copy back <-- AdamW <-- grad norm <-- all-reduce over DP
+                     | AdamW divides each gradient by (fp16: the loss scale) x (clipping's factor)
+                     | and skips a bad step itself: both decided on the device (see step())
                      (fp32 master params, fp32 main grads, fp32 Adam moments)
 
 The optimizer works on *pieces*: the part of each parameter that lies in this rank's shard of a bucket.
@@ -93,9 +95,9 @@ class MixedPrecisionOptimizer:
         no_decay = [pc.master for pc in self.pieces if no_weight_decay(pc.name, pc.param)]
         groups = [g for g in ({"params": decay, "weight_decay": weight_decay},
                               {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
-        # fused=True is one kernel for all of AdamW's elementwise work (CUDA only); CPU uses foreach.
-        self.fused = all(pc.master.is_cuda for pc in self.pieces)
-        self.adam = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, **({"fused": True} if self.fused else {}))
+        # fused=True: one kernel for all of AdamW's elementwise work, on CUDA and on the CPU, and the one
+        # implementation that takes grad_scale and found_inf (step() says why it needs them)
+        self.adam = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=True)
 
     def _in_norm(self, name, param) -> bool:
         """Count each parameter once in the global grad norm: a tensor-parallel *replicated* one (a
@@ -137,26 +139,24 @@ class MixedPrecisionOptimizer:
         return elements * 4 * (3 if self.low_precision else 2)
 
     def step(self, nonfinite_loss=None) -> StepOutcome:
-        """nonfinite_loss: 0-d device tensor, > 0 when a micro-batch's loss on this rank was inf/NaN."""
+        """nonfinite_loss: 0-d device tensor, > 0 when a micro-batch's loss on this rank was inf/NaN.
+
+        The update is queued before the host learns whether to make it. AdamW (torch's fused kernel, one
+        pass over every piece) takes two 0-d device tensors: it divides each gradient by grad_scale before
+        using it, and changes nothing (weights, moments, step count) where found_inf is 1. So unscaling
+        (fp16), clipping and the decision to skip are computed on the device, and the one host sync of the
+        step, reading [||g||^2, bad losses] for the log and the loss scaler, comes after AdamW and the copy
+        back are queued: the GPU runs them while the host decides, instead of waiting for its next call."""
         finalize_gradients(self.grads, self.state, self.shared_embedding)
-        grads = [pc.master.grad for pc in self.pieces]
-        if self.loss_scaler is not None:
-            torch._foreach_mul_(grads, 1.0 / self.loss_scaler.scale)  # unscale in place
-        status = self._global_status(nonfinite_loss)
-        grad_norm = status[0].sqrt().float()
-        sumsq, bad_losses = status.tolist()  # one host sync per step: the decision to skip must reach the host
-        if bad_losses > 0:
-            return StepOutcome(False, grad_norm, "nan")
-        if not math.isfinite(sumsq):
-            if self.loss_scaler is None:
-                return StepOutcome(False, grad_norm, "nan")
-            self.loss_scaler.update(True)  # fp16 overflow: skip, lower the scale
-            return StepOutcome(False, None, "overflow")
-        if self.loss_scaler is not None:
-            self.loss_scaler.update(False)
-        if self.clip_grad > 0:
-            # g <- g * min(1, clip / (||g|| + 1e-6)), computed on the device
-            torch._foreach_mul_(grads, torch.clamp(self.clip_grad / (grad_norm + 1e-6), max=1.0))
+        scale = self.loss_scale                           # fp16: the main grads are still times the scale
+        status = self._global_status(nonfinite_loss)      # [||scale g||^2, bad losses]
+        sumsq = status[0] / (scale * scale)
+        grad_norm = sumsq.sqrt().float()
+        # g <- g / scale * min(1, clip / (||g|| + 1e-6)), as one divisor: scale * max(1, (||g|| + 1e-6) / clip)
+        divisor = (torch.clamp((grad_norm + 1e-6) / self.clip_grad, min=1.0) if self.clip_grad > 0
+                   else torch.ones_like(grad_norm))
+        self.adam.grad_scale = divisor * scale if scale != 1.0 else divisor
+        self.adam.found_inf = ((status[1] > 0) | ~torch.isfinite(sumsq)).float()  # 1: skip the update
         self.adam.step()
         with torch.no_grad():
             for bucket, shard, low_precision in self._master_shards:
@@ -164,6 +164,16 @@ class MixedPrecisionOptimizer:
                     bucket.param_data[bucket.shard[0]:bucket.shard[1]].copy_(shard)  # fp32 -> 16-bit
         for g in self.grads:
             g.gather_params()  # ZeRO-1: the updated shards to every rank
+        scaled_sumsq, bad_losses = status.tolist()  # one host sync per step: the log and the loss scaler need it
+        if bad_losses > 0:
+            return StepOutcome(False, grad_norm, "nan")
+        if not math.isfinite(scaled_sumsq):
+            if self.loss_scaler is None:
+                return StepOutcome(False, grad_norm, "nan")
+            self.loss_scaler.update(True)  # fp16 overflow: skipped, lower the scale
+            return StepOutcome(False, None, "overflow")
+        if self.loss_scaler is not None:
+            self.loss_scaler.update(False)
         return StepOutcome(True, grad_norm, "ok")
 
     def _global_status(self, nonfinite_loss):
@@ -227,9 +237,8 @@ class MixedPrecisionOptimizer:
                 else:
                     pc.master.copy_(pc.param.detach().reshape(-1)[pc.start:pc.end])
             if "exp_avg" in entry and step > 0:
-                device = pc.master.device if self.fused else "cpu"
                 self.adam.state[pc.master] = {
-                    "step": torch.tensor(step, dtype=torch.float32, device=device),
+                    "step": torch.tensor(step, dtype=torch.float32, device=pc.master.device),
                     "exp_avg": entry["exp_avg"].to(pc.master.device),
                     "exp_avg_sq": entry["exp_avg_sq"].to(pc.master.device)}
         with torch.no_grad():
