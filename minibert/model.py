@@ -254,7 +254,11 @@ class TiedDecoder(nn.Module):
     kernels), and the padded columns are then cut off as a view, so the softmax/CE only ever covers the real
     vocab: the padding can never change the loss, whatever its rows hold. (The fused loss hands its
     gradient to the padded logits directly, so the view costs no copy in the backward either:
-    minibert.kernels.cross_entropy._padded_base.) Tensor parallelism swaps this
+    minibert.kernels.cross_entropy._padded_base. That needs the padded logits to be a tensor autograd
+    tracks: the matmul runs on 2-D rows, whose [rows, padded vocab] product is the linear's own output. A
+    3-D input would come back as a view of a 2-D product made inside linear's autograd Function, which
+    autograd does not track, and the backward would copy the whole gradient again.) Tensor parallelism
+    swaps this
     module for a vocab-parallel one (each rank its block of rows; the cross entropy masks the padding)."""
 
     def __init__(self, vocab_size):
@@ -262,10 +266,10 @@ class TiedDecoder(nn.Module):
         self.vocab_size = vocab_size
 
     def forward(self, x, weight, bias):
-        # [..., h] @ [h, padded vocab] -> [..., padded vocab]; the tied table also gets the embedding's
+        # [rows, h] @ [h, padded vocab] -> [rows, padded vocab]; the tied table also gets the embedding's
         # gradient, so its gradient is not fused into main_grad (minibert/linear.py)
-        logits = linear(x, weight, bias, fuse_weight_grad=False)
-        return logits[..., :self.vocab_size]  # the real vocab, a view: rows past it are padding
+        logits = linear(x.reshape(-1, x.shape[-1]), weight, bias, fuse_weight_grad=False)
+        return logits.view(*x.shape[:-1], -1)[..., :self.vocab_size]  # the real vocab, a view: then padding
 
 
 class LMHead(nn.Module):

@@ -148,6 +148,33 @@ def test_a_column_slice_of_padded_logits_gets_its_gradient_without_autograds_cop
     assert padded_grad.shape[-1] == 1024 and (padded_grad[..., 1000:] == 0).all()
 
 
+@pytest.mark.parametrize("written_out", (False, True), ids=("F.linear", "LinearFunction"))
+def test_the_lm_heads_decoder_hands_the_loss_its_padded_logits(monkeypatch, written_out):
+    """The model's own TiedDecoder on [b, s, h], through either path minibert.linear takes: F.linear (the
+    CPU's) and LinearFunction (what the GPU runs in 16-bit; chosen here on the CPU by its device check).
+    A 3-D product made inside LinearFunction is a view autograd does not track, which left the slice
+    backward (a fill and a copy of the whole gradient, 3 ms of a BERT-base step on an H200) in place:
+    the decoder multiplies 2-D rows so that either way the loss's graph has no slice node."""
+    from minibert import linear as linear_module
+    from minibert.model import TiedDecoder
+    monkeypatch.setattr(linear_module, "written_out_backward", lambda x, weight: written_out)
+    g = torch.Generator().manual_seed(5)
+    table = torch.randn(1024, 16, generator=g).requires_grad_()          # padded vocab 1024, real 1000
+    bias = torch.zeros(1024, requires_grad=True)
+    hidden = torch.randn(2, 3, 16, generator=g)
+    labels = torch.tensor([3, 999, -1, 0, 512, 7])
+    logits = TiedDecoder(1000)(hidden, table, bias)                       # [2, 3, 1000]
+    assert logits.shape == (2, 3, 1000)
+    assert (type(logits._base.grad_fn).__name__ == "LinearFunctionBackward") == written_out
+    loss = fused_cross_entropy(logits.reshape(-1, 1000), labels)
+    assert not any("Slice" in name for name in backward_nodes(loss.grad_fn, logits._base.grad_fn))
+    plain = lm_cross_entropy((hidden @ table.t() + bias)[..., :1000].reshape(-1, 1000), labels)
+    torch.testing.assert_close(loss, plain, **LOSS_TOL)
+    (grad,) = torch.autograd.grad(loss.sum(), table)
+    (plain_grad,) = torch.autograd.grad(plain.sum(), table)
+    torch.testing.assert_close(grad, plain_grad, rtol=1e-5, atol=1e-6)
+
+
 def test_ignored_rows_give_zero_whatever_their_logits_and_grad():
     """Ignored rows are not read: NaN logits there and NaN grad_loss there still give loss 0 and grad 0.
     (Eager F.cross_entropy gives NaN gradients on a NaN row even when it is ignored: log_softmax sees it.)"""

@@ -264,6 +264,32 @@ def test_fused_layer_norm_and_cross_entropy_equal_their_plain_twins(dtype, post_
     assert worst < 5e-2, worst
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+def test_the_fused_loss_takes_the_padded_logits_without_a_slice_backward(dtype):
+    """In 16-bit on the GPU the decoder runs LinearFunction: the whole model's loss graph must reach its
+    [rows, padded vocab] output with no slice backward over the padded width (that node fills a zeroed
+    padded gradient and copies the real columns into it: 3 ms of a BERT-base step)."""
+    from minibert.config import Config
+    from minibert.model import BertModel, pretraining_loss
+    cfg = Config(num_layers=1, hidden_size=256, num_attention_heads=4, seq_length=256, vocab_size=1000)
+    model = BertModel(cfg).cuda().to(dtype)
+    tokens, padding, loss_mask, labels, is_random = padded_batch(3)
+    out = model(tokens, padding_mask=padding)
+    loss, _, _ = pretraining_loss(out, labels, loss_mask, is_random, cross_entropy=model.lm_cross_entropy)
+    names, todo, seen, padded_slices = set(), [loss.grad_fn], set(), 0
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names.add(type(node).__name__)
+        sizes = getattr(node, "_saved_self_sym_sizes", None)
+        padded_slices += "Slice" in type(node).__name__ and sizes is not None and sizes[-1] == cfg.padded_vocab_size
+        todo += [next_node for next_node, _ in node.next_functions]
+    assert "LinearFunctionBackward" in names and "_FusedCrossEntropyBackward" in names, sorted(names)
+    assert padded_slices == 0
+
+
 def test_fused_hidden_dropout_follows_torch_seed(monkeypatch):
     """With hidden dropout on, the fused kernel's dropout seed comes from torch's generator: the same
     torch.manual_seed gives the same loss and gradients, another seed other ones."""
