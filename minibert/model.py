@@ -258,8 +258,8 @@ class TiedDecoder(nn.Module):
     tracks: the matmul runs on 2-D rows, whose [rows, padded vocab] product is the linear's own output. A
     3-D input would come back as a view of a 2-D product made inside linear's autograd Function, which
     autograd does not track, and the backward would copy the whole gradient again.) Tensor parallelism
-    swaps this
-    module for a vocab-parallel one (each rank its block of rows; the cross entropy masks the padding)."""
+    swaps this module for a vocab-parallel one (each rank its block of rows; the cross entropy masks the
+    padding)."""
 
     def __init__(self, vocab_size):
         super().__init__()
