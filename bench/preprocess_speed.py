@@ -47,6 +47,10 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+# What the preprocess tool does when it runs: one BLAS thread (set before numpy loads), so this process
+# runs one thread and its pools fork their workers (see minibert/preprocess.py, _start_method).
+for _name in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_name, "1")
 
 from minibert import preprocess as preprocessing  # noqa: E402
 from minibert.indexed_dataset import best_dtype  # noqa: E402
@@ -127,9 +131,10 @@ def run(workers=(1, 2), repeats=3, corpus=None, copies=20, with_peer=True):
             startup[n] = best_seconds(lambda: preprocess(
                 os.path.join(tmp, "one.txt"), os.path.join(tmp, "one"),
                 build_tokenizer("BertWordPieceLowerCase"), workers=n, progress=False), repeats)
+            how = f"workers {preprocessing._start_method()}ed" if n > 1 else "no workers"
             rows.append(dict(name=f"minibert start-up, {n} worker{'s' if n > 1 else ''}",
-                             value=startup[n], unit="s", notes="a one-line input: the fixed cost in the "
-                             "rows below"))
+                             value=startup[n], unit="s", notes=f"a one-line input: the fixed cost in the "
+                             f"rows below; {how}"))
         for split in (False, True):
             seconds = {}
             for n in workers:
@@ -244,7 +249,11 @@ def main():
                         "encoding at once, against one alone (what running side by side costs on this machine)")
     parser.add_argument("--side-mb", type=float, default=8.0, help="with --side-by-side: megabytes each "
                         "process encodes")
+    parser.add_argument("--spawn", action="store_true", help="spawn the workers even where they would be "
+                        "forked (each imports numpy and minibert again): the other arm of that comparison")
     args = parser.parse_args()
+    if args.spawn:
+        preprocessing._start_method = lambda: "spawn"
     if args.side_by_side:
         rows = [r for split in (False, True)
                 for r in side_by_side_rows(args.workers, args.corpus, args.copies, split, args.side_mb)]

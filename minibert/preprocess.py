@@ -41,8 +41,8 @@ Departures from Megatron's tool, on purpose: plain-text input (Megatron reads JS
 rule-based sentence splitter instead of NLTK Punkt (no downloads; see sentence_split.py);
 --append-eod is refused (BERT samples need no end-of-document token: Megatron's BERT tokenizer
 would append the [EOS] id it adds after vocab.txt's tokens, which BERT never trains on); no
---partitions / --keep-newlines / --lang. Run it as a script or with -m: worker processes are spawned
-and re-import the main module, which a script piped on stdin does not have."""
+--partitions / --keep-newlines / --lang. Run it as a script or with -m: where worker processes must be
+spawned (see _start_method) they re-import the main module, which a script piped on stdin does not have."""
 import collections
 import json
 import multiprocessing
@@ -54,6 +54,14 @@ from concurrent.futures import ProcessPoolExecutor
 if __package__ in (None, ""):  # `python minibert/preprocess.py` from a checkout: make `minibert` importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+# Each worker would import numpy, whose OpenBLAS starts one busy-waiting thread per core at import: on a
+# 16-core host one import burnt 2.3 CPU s in 0.56 s, and 8 workers starting at once took those cores
+# from the work. Neither the tool nor its workers multiply matrices, so they run with one thread each.
+WORKER_THREADS = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+if __name__ == "__main__":  # run as the tool: one BLAS thread here too, so its workers can be forked
+    for _name, _value in WORKER_THREADS.items():
+        os.environ.setdefault(_name, _value)
+
 import numpy as np  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
@@ -64,10 +72,6 @@ from minibert.tokenizer import build_tokenizer  # noqa: E402
 
 CHUNK_BYTES = 1 << 18  # input per task: ~0.05 s of work, so 8 workers share even a few MB evenly
 IN_FLIGHT_PER_WORKER = 4  # chunks queued per worker: keeps workers busy, bounds memory
-# Each worker imports numpy, whose OpenBLAS starts one busy-waiting thread per core at import: on a
-# 16-core host one import burnt 2.3 CPU s in 0.56 s, and 8 workers starting at once took those cores
-# from the work. The workers never multiply matrices, so they start with one thread each.
-WORKER_THREADS = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 JSON_EXTENSIONS = (".json", ".jsonl")
 
 
@@ -170,6 +174,21 @@ def _chunks(path):
             pieces = [block[cut:]]
 
 
+def _start_method():
+    """How the pool starts its workers: "fork" where the OS has it and this process runs one thread,
+    else "spawn". A forked worker is a copy of this process, modules and encoder included, so it is
+    ready in milliseconds; a spawned one starts a fresh Python that imports numpy and minibert again
+    (0.3-0.4 s of wall clock each on a 16-core host, a fifth of a 110 MB run at 8 workers). fork copies
+    only the thread that calls it: a lock that another thread held at that moment (BLAS, torch, tqdm's
+    monitor) would stay locked in the child for good, so any second thread means spawn. The pool starts
+    its workers on the first submit, after this is asked: nothing here starts a thread in between."""
+    try:
+        threads = len(os.listdir("/proc/self/task"))  # every thread of this process, not only Python's
+    except OSError:
+        return "spawn"  # no /proc (macOS, Windows): no cheap count, and spawn is safe everywhere
+    return "fork" if threads == 1 and "fork" in multiprocessing.get_all_start_methods() else "spawn"
+
+
 def _encoded_chunks(encoder, path, workers):
     """Every chunk's encoding (see DocumentEncoder.__call__) with its size in bytes, in input order,
     computed in `workers` processes."""
@@ -177,13 +196,12 @@ def _encoded_chunks(encoder, path, workers):
         for chunk in _chunks(path):
             yield encoder(chunk), len(chunk[2])
         return
-    # spawn, not fork: workers start clean (no inherited threads or torch state), the same on every
-    # OS; and unlike multiprocessing.Pool, a worker that dies (killed for memory) raises, never hangs.
-    # A spawned process inherits os.environ as it is when it starts (on one of the first submits), so
-    # WORKER_THREADS is set for the pool's life and the caller's values are put back after.
+    # A process pool, not multiprocessing.Pool: a worker that dies (killed for memory) raises, never
+    # hangs. A spawned worker inherits os.environ as it is when it starts (on one of the first
+    # submits), so WORKER_THREADS is set for the pool's life and the caller's values are put back after.
     saved = {name: os.environ.get(name) for name in WORKER_THREADS}
     os.environ.update(WORKER_THREADS)
-    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
+    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context(_start_method()),
                                initializer=_init_worker, initargs=(encoder,))
     try:
         pending = collections.deque()
@@ -202,6 +220,12 @@ def _encoded_chunks(encoder, path, workers):
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+
+
+class _Bar(tqdm):
+    """tqdm's bar without its monitor thread (which only tunes redraws of a stalled bar): a second
+    thread would make the pool spawn its workers instead of forking them (see _start_method)."""
+    monitor_interval = 0
 
 
 def _check_inputs(input_path, json_keys, workers):
@@ -242,7 +266,7 @@ def preprocess(input_path, output_prefix, tokenizer, json_keys=("text",), split_
     # The bar redraws itself in place, which only a terminal shows as one line: in a pipe or a log
     # file it would be a heap of fragments (and bury an error line), so there only the summary prints.
     on_terminal = getattr(sys.stderr, "isatty", lambda: False)()
-    bar = tqdm(total=total_bytes, unit="B", unit_scale=True, unit_divisor=1000, desc="preprocess",
+    bar = _Bar(total=total_bytes, unit="B", unit_scale=True, unit_divisor=1000, desc="preprocess",
                file=sys.stderr, disable=not (progress and on_terminal), smoothing=0.1)
     docs = sequences = tokens = done_bytes = 0
     start = time.perf_counter()

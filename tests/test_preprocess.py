@@ -5,6 +5,8 @@ import json
 import os
 import subprocess
 import sys
+import textwrap
+import threading
 import warnings
 
 import numpy as np
@@ -160,6 +162,69 @@ def test_workers_start_with_one_blas_thread_and_the_caller_keeps_its_settings(tm
     assert seen == [dict.fromkeys(preprocess_module.WORKER_THREADS, "1")]
     assert os.environ["OPENBLAS_NUM_THREADS"] == "7"
     assert "OMP_NUM_THREADS" not in os.environ and "MKL_NUM_THREADS" not in os.environ
+
+
+HOW_IT_CAME = textwrap.dedent("""
+    import sys, threading
+    import minibert.preprocess as preprocess_module
+
+    class HowItCame:
+        \"\"\"Stands in for the encoder: True in a worker it reached pickled (spawned: a fresh Python
+        unpickles it), False in one that inherited it with this process's memory (forked).\"\"\"
+        pickled = False
+
+        def __getstate__(self):
+            return {"pickled": True}
+
+        def __call__(self, chunk):
+            return self.pickled
+
+    if __name__ == "__main__":
+        stop = threading.Event()
+        if sys.argv[2] == "second-thread":
+            threading.Thread(target=stop.wait).start()
+        method = preprocess_module._start_method()
+        seen = sorted({r for r, _ in preprocess_module._encoded_chunks(HowItCame(), sys.argv[1], 2)})
+        stop.set()
+        print(method, seen)
+""")
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc (Linux)")
+def test_workers_are_forked_from_a_one_thread_process_and_spawned_beside_a_second_thread(tmp_path):
+    """In a process of one thread, as the tool runs, the workers are forked: the encoder reaches them
+    without being pickled. With a second thread alive (its locks would be copied held) they are
+    spawned. DeprecationWarnings are errors: Python 3.12 warns when a process with threads forks."""
+    script = tmp_path / "how.py"
+    script.write_text(HOW_IT_CAME)
+    data = tmp_path / "in.txt"
+    data.write_bytes(b"one line\n" * 3)
+    env = dict(os.environ, PYTHONPATH=ROOT, **preprocess_module.WORKER_THREADS)
+    for second, expected in [("alone", "fork [False]"), ("second-thread", "spawn [True]")]:
+        result = subprocess.run([sys.executable, "-W", "error::DeprecationWarning", str(script), str(data),
+                                 second], env=env, capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.strip() == expected
+
+
+def test_spawned_workers_write_the_same_bytes(tmp_path, tokenizer):
+    """A second thread alive here makes the pool spawn its workers (the forked ones are the other
+    tests'): the same .bin/.idx as one worker."""
+    lines = corpus_lines(400)
+    path = write_lines(tmp_path / "c.txt", lines)
+    stop = threading.Event()
+    thread = threading.Thread(target=stop.wait)
+    thread.start()
+    try:
+        assert preprocess_module._start_method() == "spawn"
+        spawned = preprocess(path, str(tmp_path / "w2"), tokenizer, split_sentences=True, workers=2,
+                             progress=False)[0]
+    finally:
+        stop.set()
+        thread.join()
+    alone = preprocess(path, str(tmp_path / "w1"), tokenizer, split_sentences=True, progress=False)[0]
+    for ext in (".bin", ".idx"):
+        assert read(spawned + ext) == read(alone + ext)
 
 
 def test_chunks_cut_at_line_ends(tmp_path, monkeypatch):
