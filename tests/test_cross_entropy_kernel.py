@@ -11,6 +11,7 @@ import torch
 
 from minibert.kernels.cross_entropy import INTERPRETER_CONFIG, _FusedCrossEntropy, fused_cross_entropy
 from minibert.model import lm_cross_entropy
+from tests.autograd_graph import backward_nodes
 from tests.conftest import run_without_interpreter
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -106,17 +107,8 @@ def test_column_slice_view_is_read_in_place():
     check(view, labels, torch.bfloat16)
 
 
-def backward_nodes(grad_fn, stop):
-    """Names of the autograd nodes between grad_fn and the node `stop` (exclusive), depth first."""
-    names, todo, seen = [], [grad_fn], set()
-    while todo:
-        node = todo.pop()
-        if node is None or node is stop or node in seen:
-            continue
-        seen.add(node)
-        names.append(type(node).__name__)
-        todo += [next_node for next_node, _ in node.next_functions]
-    return names
+def node_names(grad_fn, stop):
+    return [type(node).__name__ for node in backward_nodes(grad_fn, stop)]
 
 
 def test_a_column_slice_of_padded_logits_gets_its_gradient_without_autograds_copy():
@@ -135,7 +127,7 @@ def test_a_column_slice_of_padded_logits_gets_its_gradient_without_autograds_cop
         loss = fused_cross_entropy(flat, labels) if fused else lm_cross_entropy(flat, labels)
         return loss, logits._base
     loss, padded = loss_of(True)
-    assert not any("Slice" in name for name in backward_nodes(loss.grad_fn, padded.grad_fn))
+    assert not any("Slice" in name for name in node_names(loss.grad_fn, padded.grad_fn))
     plain, _ = loss_of(False)
     torch.testing.assert_close(loss, plain, **LOSS_TOL)
     grad_loss = torch.rand(6, generator=g) + 0.5
@@ -167,7 +159,7 @@ def test_the_lm_heads_decoder_hands_the_loss_its_padded_logits(monkeypatch, writ
     assert logits.shape == (2, 3, 1000)
     assert (type(logits._base.grad_fn).__name__ == "LinearFunctionBackward") == written_out
     loss = fused_cross_entropy(logits.reshape(-1, 1000), labels)
-    assert not any("Slice" in name for name in backward_nodes(loss.grad_fn, logits._base.grad_fn))
+    assert not any("Slice" in name for name in node_names(loss.grad_fn, logits._base.grad_fn))
     plain = lm_cross_entropy((hidden @ table.t() + bias)[..., :1000].reshape(-1, 1000), labels)
     torch.testing.assert_close(loss, plain, **LOSS_TOL)
     (grad,) = torch.autograd.grad(loss.sum(), table)

@@ -271,23 +271,18 @@ def test_the_fused_loss_takes_the_padded_logits_without_a_slice_backward(dtype):
     padded gradient and copies the real columns into it: 3 ms of a BERT-base step)."""
     from minibert.config import Config
     from minibert.model import BertModel, pretraining_loss
+    from tests.autograd_graph import backward_nodes
     cfg = Config(num_layers=1, hidden_size=256, num_attention_heads=4, seq_length=256, vocab_size=1000)
     model = BertModel(cfg).cuda().to(dtype)
     tokens, padding, loss_mask, labels, is_random = padded_batch(3)
     out = model(tokens, padding_mask=padding)
     loss, _, _ = pretraining_loss(out, labels, loss_mask, is_random, cross_entropy=model.lm_cross_entropy)
-    names, todo, seen, padded_slices = set(), [loss.grad_fn], set(), 0
-    while todo:
-        node = todo.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        names.add(type(node).__name__)
-        sizes = getattr(node, "_saved_self_sym_sizes", None)
-        padded_slices += "Slice" in type(node).__name__ and sizes is not None and sizes[-1] == cfg.padded_vocab_size
-        todo += [next_node for next_node, _ in node.next_functions]
+    nodes = backward_nodes(loss.grad_fn)
+    names = {type(node).__name__ for node in nodes}
+    padded_slices = [node for node in nodes if "Slice" in type(node).__name__
+                     and getattr(node, "_saved_self_sym_sizes", (0,))[-1] == cfg.padded_vocab_size]
     assert "LinearFunctionBackward" in names and "_FusedCrossEntropyBackward" in names, sorted(names)
-    assert padded_slices == 0
+    assert not padded_slices
 
 
 def test_fused_hidden_dropout_follows_torch_seed(monkeypatch):
