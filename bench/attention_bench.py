@@ -12,6 +12,7 @@ two "eager timing" rows show one Python call each, overhead included.
     python bench/attention_bench.py --sweep    # time every candidate tile per kernel; prints the best
     python bench/attention_bench.py --sweep --head-dims 64,128
     python bench/attention_bench.py --sweep --dropout 0.1   # the tiles with attention dropout 0.1
+    python bench/attention_bench.py --sweep --lengths none   # the same with every key real (training's)
     python bench/attention_bench.py --sweep-short [--dropout 0.1]  # the short backward's tiles, BERT-base
 
 BERT-base's shape (b256 h12 s128 d64, no padding) gets rows of its own: there one program holds all 128
@@ -200,6 +201,15 @@ def run(head_dims=(32, 80, 128)):
             rows += timing_rows(name, time_passes(sdpa(backend, None), q, k, v, do, ("fwd+bwd",)), flops)
         except RuntimeError as e:                           # backend not available in this build
             print(f"{name} skipped: {str(e)[:100]}")
+    # equal work with dropout, as in training: every position real, attention dropout 0.1 on both sides
+    q, k, v, do, pad = make_inputs(lengths="none")
+    rows += timing_rows("ours + dropout 0.1, none padded (all 512),",
+                        time_passes(ours(pad, dropout_p=0.1, seed=1234), q, k, v, do, ("fwd+bwd",)), flops)
+    try:
+        rows += timing_rows("sdpa-cudnn + dropout 0.1, no mask,", time_passes(
+            sdpa(SDPBackend.CUDNN_ATTENTION, None, 0.1), q, k, v, do, ("fwd+bwd",)), flops)
+    except RuntimeError as e:
+        print(f"sdpa-cudnn + dropout skipped: {str(e)[:100]}")
     q, k, v, do, pad = make_inputs(lengths="mixed")
     rows += timing_rows("ours + dropout 0.1, lengths U[256,512],",
                         time_passes(ours(pad, dropout_p=0.1, seed=1234), q, k, v, do, ("fwd+bwd",)), flops)
@@ -218,6 +228,12 @@ def run(head_dims=(32, 80, 128)):
                  "sdpa-flash, no mask, fwd+bwd"]:
         if peer in ms:
             rows.append(ratio_row(f"speed-up of ours (U[256,512]) over {peer}", ms[peer] / mine))
+    for tag, peer, mine in [("", "sdpa-cudnn, no mask, fwd+bwd", "ours, none padded (all 512), fwd+bwd"),
+                            (" + dropout 0.1", "sdpa-cudnn + dropout 0.1, no mask, fwd+bwd",
+                             "ours + dropout 0.1, none padded (all 512), fwd+bwd")]:
+        if peer in ms:
+            rows.append(ratio_row(f"equal work (all 512, none padded){tag}: ours over sdpa-cudnn, fwd+bwd",
+                                  ms[peer] / ms[mine], "> 1: ours is faster" + ("; target >= 1" if not tag else "")))
     for d in head_dims:
         q, k, v, do, pad = make_inputs(d=d, lengths="mixed")
         rows += timing_rows(f"d{d}: ours, lengths U[256,512],",
@@ -257,19 +273,19 @@ def sweep_short(dropout_p=0.0):
         print(f"  short {tuple(tile)}: {ms * 1e3:7.1f} us ({pair_ms / ms:.2f}x the pair){flag}", flush=True)
 
 
-def sweep(head_dims=(64,), dropout_p=0.0):
-    """Time every candidate tile of each kernel alone (lengths U[256,512]); print the best per kernel. With
-    dropout_p > 0 every kernel draws the dropout mask (one seed)."""
+def sweep(head_dims=(64,), dropout_p=0.0, lengths="mixed"):
+    """Time every candidate tile of each kernel alone (lengths U[256,512], or all 512 with lengths="none");
+    print the best per kernel. With dropout_p > 0 every kernel draws the dropout mask (one seed)."""
     from minibert.kernels.flash_attention import (TILE_CANDIDATES, attention_forward, head_dim_block, pick_tiles,
                                                   prepare_padding)
     from minibert.kernels.flash_attention_bwd import launch_dkdv, launch_dq
     if not torch.cuda.is_available():
         raise UsageError("bench/attention_bench.py --sweep needs a CUDA GPU")
     for d in head_dims:
-        q, k, v, do, pad = make_inputs(d=d, lengths="mixed")
+        q, k, v, do, pad = make_inputs(d=d, lengths=lengths)
         bias, kv_len = prepare_padding(pad)
         scale = d ** -0.5
-        default_fwd, default_dq, default_dkdv, _ = pick_tiles(d, q.dtype)
+        default_fwd, default_dq, default_dkdv, _ = pick_tiles(d, q.dtype, S)
         p, seed = dropout_p, 1234
         out, lse = attention_forward(q, k, v, bias, kv_len, scale, p, seed, default_fwd)
         delta = torch.empty_like(lse)
@@ -333,6 +349,8 @@ def main(argv=None):
     parser.add_argument("--sweep", action="store_true", help="time every candidate tile per kernel")
     parser.add_argument("--sweep-short", action="store_true", help="time every short-backward tile (BERT-base)")
     parser.add_argument("--dropout", type=float, default=0.0, help="attention dropout for --sweep(-short)")
+    parser.add_argument("--lengths", choices=("mixed", "none"), default="mixed",
+                        help="--sweep's key lengths: U[256, 512] (mixed) or all 512 (none padded)")
     parser.add_argument("--head-dims", default=None,
                         help="comma-separated head dims (default: 64 for --sweep; 32,80,128 extra rows otherwise)")
     args = parser.parse_args(argv)
@@ -340,7 +358,7 @@ def main(argv=None):
     if args.sweep_short:
         sweep_short(args.dropout)
     elif args.sweep:
-        sweep(dims or (64,), args.dropout)
+        sweep(dims or (64,), args.dropout, args.lengths)
     else:
         print_table(run(dims if dims is not None else (32, 80, 128)))
 

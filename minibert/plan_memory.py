@@ -165,7 +165,8 @@ def layer_activations(cfg, backend, recompute=None, mask_bytes=1, stats_bytes=4)
     if recompute == "selective":
         core = 0
     elif backend == "flash":
-        core = 4 * b * heads * s + 4 * tokens + 4 * b  # fp32 log-sum-exp per row; the padding bias, kv lengths
+        core = 4 * b * heads * s + 4 * tokens + 8 * b  # fp32 log-sum-exp per row; the padding bias; per sample
+        #                                                two int32: 1 + its last real key, its first padded key
     else:
         softmax = 4 if backend in ("local", "unfused") else e  # local: fp32 softmax; fused: the scores' dtype
         if cfg.attention_dropout > 0:

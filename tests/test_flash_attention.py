@@ -12,8 +12,9 @@ import torch
 from minibert.errors import UsageError
 from minibert.kernels.dropout import (dropout_mask, dropout_threshold, effective_dropout_p,
                                       reference_keep_mask)
-from minibert.kernels.flash_attention import (FP32_TILES, INTERPRETER_TILES, TILE_CANDIDATES, Tile, attention_forward,
-                                              attention_reference, flash_attention, prepare_padding)
+from minibert.kernels.flash_attention import (FP32_TILES, INTERPRETER_TILES, MASKED, TILE_CANDIDATES, Tile,
+                                              attention_forward, attention_reference, flash_attention,
+                                              prepare_padding)
 from minibert.kernels.flash_attention_bwd import attention_backward
 from tests.conftest import run_without_interpreter
 
@@ -83,8 +84,9 @@ def test_heavy_and_arbitrary_padding():
     pad[2] = True                                       # row 2: all padding -> finite, zero gradients
     pad[3] = torch.arange(s) < 30                       # row 3: left padding
     bias, kv_len = prepare_padding(pad)
-    assert kv_len.tolist() == [max([i + 1 for i in range(s) if not pad[r, i]], default=0) for r in range(4)]
-    assert torch.equal(bias, torch.where(pad, -1e30, 0.0))
+    assert kv_len[:, 0].tolist() == [max([i + 1 for i in range(s) if not pad[r, i]], default=0) for r in range(4)]
+    assert kv_len[:, 1].tolist() == [min([i for i in range(s) if pad[r, i]], default=s) for r in range(4)]
+    assert torch.equal(bias, torch.where(pad, MASKED, 0.0))
     q, k, v, do = make_inputs(4, 2, s, 32, seed=2)
     ours, ref = run_both(q, k, v, do, pad)
     assert_matches(ours, ref, pad)
@@ -324,6 +326,15 @@ def test_unsupported_inputs_raise(change, message):
     q, mask, p = change(torch.zeros(1, 2, 8, 32), torch.zeros(1, 8, dtype=torch.bool))
     with pytest.raises(UsageError, match=message.replace("[", r"\[").replace("]", r"\]")):
         flash_attention(q, q, q, padding_mask=mask, dropout_p=p)
+
+
+@pytest.mark.parametrize("scale", [0.0, -0.125, float("inf"), float("nan")])
+def test_a_softmax_scale_that_is_not_positive_raises(scale):
+    """The forward takes the running max of the unscaled scores, which is the max of the scaled ones only
+    for a positive scale."""
+    q = torch.zeros(1, 2, 8, 32)
+    with pytest.raises(UsageError, match="positive, finite softmax scale"):
+        flash_attention(q, q, q, scale=scale)
 
 
 def test_cpu_without_interpreter_raises():

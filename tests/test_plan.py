@@ -121,7 +121,7 @@ def test_the_formula_is_megatrons_with_an_fp32_softmax():
     local = pm.layer_activations(cfg, "local")
     assert local.outside + local.inside == 34 * b * s * h and local.core == 7 * a * b * s * s
     flash = pm.layer_activations(cfg, "flash")
-    assert flash.core == 4 * a * b * s + 4 * b * s + 4 * b
+    assert flash.core == 4 * a * b * s + 4 * b * s + 8 * b   # lse, the bias, two lengths per sample
     assert pm.layer_activations(cfg, "flash", "selective").total == 34 * b * s * h + 16 * b * s
     assert pm.layer_activations(cfg, "local", "full").total == 2 * b * s * h
     tp = small(bf16=True, hidden_size=128, num_attention_heads=8, tensor_model_parallel_size=4)

@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from minibert.kernels.dropout import _dropout_keep, _dropout_keys, dropout_threshold, effective_dropout_p, seed_in_memory
-from minibert.kernels.flash_attention import (LOG2_E, _head_rows, _key_bias, _program_block, _row_end,
+from minibert.kernels.flash_attention import (LOG2_E, _clean_length, _head_rows, _key_bias, _program_block, _row_end,
                                               grid_layout, head_dim_block, strides)
 
 
@@ -79,15 +79,17 @@ def _attention_backward_dq_kernel(
 
     k_ptrs = _head_rows(K, batch, token0, head, offs_n, offs_d, stride_kb, stride_kh, stride_ks)
     v_ptrs = _head_rows(V, batch, token0, head, offs_n, offs_d, stride_vb, stride_vh, stride_vs)
+    clean_len = _clean_length(KV_LEN, batch, kv_len, HAS_PAD)
     dq = tl.zeros([BLOCK_M, D_BLOCK], tl.float32)
     for start_n in range(0, kv_len, BLOCK_N):
         cols = start_n + offs_n
         kv_mask = (cols[:, None] < kv_len) & d_ok[None, :]
         k = tl.load(k_ptrs + start_n * stride_ks, mask=kv_mask, other=0.0)                # [BLOCK_N, D]
         v = tl.load(v_ptrs + start_n * stride_vs, mask=kv_mask, other=0.0)                # [BLOCK_N, D]
-        bias = _key_bias(BIAS, batch, seq_len, cols, kv_len, HAS_PAD)                       # [BLOCK_N]
-        s = tl.dot(q, tl.trans(k)) * qk_scale + bias[None, :]                               # [BLOCK_M, BLOCK_N]
-        p = tl.math.exp2(s - lse[:, None])                                                 # P, recomputed
+        s = tl.dot(q, tl.trans(k))                                                         # [BLOCK_M, BLOCK_N]
+        if start_n + BLOCK_N > clean_len:               # padding in this block (as in the forward)
+            s += _key_bias(BIAS, batch, seq_len, cols, kv_len, HAS_PAD)[None, :]
+        p = tl.math.exp2(s * qk_scale - lse[:, None])                                      # P, recomputed
         dp = tl.dot(do, tl.trans(v))                                                       # dO V^T
         if DROPOUT:
             keep = _dropout_keep(k1, k2, keep_limit, rows[:, None], cols[None, :], seq_len)  # [BLOCK_M, BLOCK_N]

@@ -14,7 +14,7 @@ import torch
 
 from minibert.kernels.dropout import kernel_seed
 from minibert.kernels.flash_attention import (LOG2_E, attention_forward, check_inputs, pick_tiles,  # noqa: F401
-                                              prepare_padding)
+                                              prepare_padding, softmax_scale)
 
 
 def _views(qkv):
@@ -27,7 +27,7 @@ class FlashAttentionQKV(torch.autograd.Function):
     def forward(ctx, qkv, padding_mask, scale, dropout_p, seed):
         q, k, v = _views(qkv)
         bias, kv_len = prepare_padding(padding_mask) if padding_mask is not None else (None, None)
-        tiles = pick_tiles(q.shape[-1], q.dtype)
+        tiles = pick_tiles(q.shape[-1], q.dtype, q.shape[2])
         out, lse = attention_forward(q, k, v, bias, kv_len, scale, dropout_p, seed, tiles[0])
         ctx.save_for_backward(qkv, out, lse, bias, kv_len)
         ctx.scale, ctx.dropout_p, ctx.seed, ctx.tiles = scale, dropout_p, seed, tiles
@@ -51,6 +51,6 @@ def flash_attention_qkv(qkv, padding_mask=None, scale=None, dropout_p=0.0, seed=
     otherwise as minibert.kernels.flash_attention.flash_attention."""
     q, k, v = _views(qkv)
     check_inputs(q, k, v, padding_mask, dropout_p)
-    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    scale = softmax_scale(scale, q.shape[-1])
     seed = kernel_seed(seed, dropout_p, qkv.device)
     return FlashAttentionQKV.apply(qkv.contiguous(), padding_mask, scale, float(dropout_p), seed)

@@ -31,7 +31,8 @@ import torch
 from minibert.errors import UsageError
 from minibert.kernels import interpreting
 from minibert.kernels.dropout import kernel_seed
-from minibert.kernels.flash_attention import MAX_HEAD_DIM, SUPPORTED_DTYPES, Varlen, attention_forward, pick_tiles
+from minibert.kernels.flash_attention import (MAX_HEAD_DIM, SUPPORTED_DTYPES, Varlen, attention_forward, pick_tiles,
+                                              softmax_scale)
 
 
 class FlashAttentionVarlen(torch.autograd.Function):
@@ -42,7 +43,7 @@ class FlashAttentionVarlen(torch.autograd.Function):
     def forward(ctx, qkv, cu_seqlens, max_len, scale, dropout_p, seed):
         q, k, v = qkv.unbind(2)                                   # 3 x [n, heads, d] views
         varlen = Varlen(cu_seqlens, cu_seqlens.numel() - 1, max_len)
-        tiles = pick_tiles(qkv.shape[-1], qkv.dtype)
+        tiles = pick_tiles(qkv.shape[-1], qkv.dtype, max_len)
         out, lse = attention_forward(q, k, v, None, None, scale, dropout_p, seed, tiles[0], varlen=varlen)
         ctx.save_for_backward(qkv, out, lse)
         ctx.varlen, ctx.scale, ctx.dropout_p, ctx.seed, ctx.tiles = varlen, scale, dropout_p, seed, tiles
@@ -89,7 +90,7 @@ def flash_attention_varlen(qkv, cu_seqlens, max_len, scale=None, dropout_p=0.0, 
     minibert.kernels.flash_attention.flash_attention (dropout: the mask of the padded kernels on
     [b, max_len] when the rows are right-padded samples)."""
     check_inputs(qkv, cu_seqlens, dropout_p)
-    scale = qkv.shape[-1] ** -0.5 if scale is None else float(scale)
+    scale = softmax_scale(scale, qkv.shape[-1])
     seed = kernel_seed(seed, dropout_p, qkv.device)
     qkv = qkv if qkv.stride(-1) == 1 else qkv.contiguous()
     return FlashAttentionVarlen.apply(qkv, cu_seqlens, int(max_len), scale, float(dropout_p), seed)

@@ -20,12 +20,17 @@ def rel(a, b):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
-def test_flash_attention_against_fp32_reference(dtype):
+@pytest.mark.parametrize("s", [384, 512], ids=["s384", "s512 (the long forward tile)"])
+def test_flash_attention_against_fp32_reference(dtype, s):
+    """Right padding, a hole in one row (a padded key before real ones) and a row with left padding: key
+    blocks with and without the bias, in the forward's tile for s (flash_attention.pick_tiles)."""
     from minibert.kernels.flash_attention import attention_reference, flash_attention
     g = torch.Generator(device="cuda").manual_seed(0)
-    b, h, s, d = 4, 8, 384, 64
+    b, h, d = 4, 8, 64
     q, k, v = (torch.randn(b, h, s, d, device="cuda", generator=g, dtype=dtype).requires_grad_() for _ in range(3))
-    padding = torch.arange(s, device="cuda")[None, :] >= torch.tensor([384, 300, 129, 17], device="cuda")[:, None]
+    padding = torch.arange(s, device="cuda")[None, :] >= torch.tensor([s, 300, 129, 17], device="cuda")[:, None]
+    padding[0, 200:203] = True                                          # a hole
+    padding[1, :70] = True                                              # left padding
     out = flash_attention(q, k, v, padding)
     real = ~padding[:, None, :, None]
     grad = torch.randn_like(out) * real  # padded queries' outputs are unspecified: the loss never reads them
