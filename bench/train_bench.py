@@ -324,6 +324,29 @@ def section_1(settings):
     return rows
 
 
+def share_rows(label, reference, cfg, batches, settings):
+    """For each contender (reference: contender -> its family's full-length run): its real tokens/s on
+    these batches, and that as a share of the full-length run's (the eager one where the graphed failed)."""
+    rows = []
+    for contender, full_length in reference.items():
+        result, failed = attempt("CUDA graphs" in contender, f"{label}: {contender}",
+                                 lambda: measure(contender.replace(" + mask", ""), cfg, batches, settings))
+        rows += failed
+        if result is None:
+            continue
+        ms = 1e3 * result.seconds / result.steps
+        rows += print_rows([row(f"{label}: {contender}, real tokens/s", result.tokens_per_s, "tok/s",
+                                f"{ms:.1f} ms/step; loss {result.loss:.3f}")])
+        if full_length not in settings.full_length:
+            full_length = "minibert"  # the graphed full-length run failed: the eager one instead
+        rows += print_rows([
+            row(f"{label}: {contender}, real tokens/s vs full-length",
+                100 * result.tokens_per_s / settings.full_length[full_length], "%",
+                f"of {full_length}'s real tokens/s on full-length batches"
+                + ("; target >= 90%" if contender.startswith("minibert packed") else ""))])
+    return rows
+
+
 def section_2(settings):
     """Padded batches; each contender's real tokens/s against its family's full-length run (section 1's,
     or measured here on the same full-length batches when section 1 is not run): eager against eager,
@@ -365,29 +388,16 @@ def section_2(settings):
                                 f"{real / seq:.0%} of the {seq} positions" + (f"; {note}" if note else "")),
                             row(f"{label}: length histogram, median real tokens per sample", median, "tokens",
                                 histogram)])
-        for contender, full_length in reference.items():
-            result, failed = attempt("CUDA graphs" in contender, f"{label}: {contender}",
-                                     lambda: measure(contender.replace(" + mask", ""), cfg, batches, settings))
-            rows += failed
-            if result is None:
-                continue
-            ms = 1e3 * result.seconds / result.steps
-            rows += print_rows([row(f"{label}: {contender}, real tokens/s", result.tokens_per_s, "tok/s",
-                                    f"{ms:.1f} ms/step; loss {result.loss:.3f}")])
-            if full_length not in settings.full_length:
-                full_length = "minibert"  # the graphed full-length run failed: the eager one instead
-            rows += print_rows([
-                row(f"{label}: {contender}, real tokens/s vs full-length",
-                    100 * result.tokens_per_s / settings.full_length[full_length], "%",
-                    f"of {full_length}'s real tokens/s on full-length batches"
-                    + ("; target >= 90%" if contender.startswith("minibert packed") else ""))])
-    return rows + equal_tokens_rows(settings, mean_real_tokens(datasets[1][1]))
+        rows += share_rows(label, reference, cfg, batches, settings)
+    packed = {contender: full for contender, full in reference.items() if contender.startswith("minibert packed")}
+    return rows + equal_tokens_rows(settings, mean_real_tokens(datasets[1][1]), packed)
 
 
-def equal_tokens_rows(settings, real):
+def equal_tokens_rows(settings, real, references):
     """The default corpus again, its micro-batch raised so that it holds about the full-length run's real
     tokens (seq x micro): what a user of packing would do with short documents. At micro-batch 32 the
-    default corpus's step is ~2.6k real tokens, too little work to fill the GPU, whatever the padding."""
+    default corpus's step is ~2.6k real tokens, too little work to fill the GPU, whatever the padding.
+    real: the default corpus's mean real tokens per sample; references: section 2's packed contenders."""
     layers, hidden, heads, seq, micro = shape("large", settings)
     equal = max(micro, int(round(micro * seq / real)))
     cfg = minibert_config("large", settings, micro_batch_size=equal, global_batch_size=equal)
@@ -398,25 +408,7 @@ def equal_tokens_rows(settings, real):
     rows = print_rows([row(f"{label}: real tokens per micro-batch", real_tokens, "tokens",
                            f"micro-batch {equal} = {micro} x {seq} / {real:.1f} mean real tokens per sample, "
                            f"against {micro * seq} in the full-length run")])
-    references = {"minibert packed": "minibert"}
-    if settings.device.type == "cuda":
-        references["minibert packed, CUDA graphs"] = "minibert, CUDA graphs"
-    for contender, full_length in references.items():
-        result, failed = attempt("CUDA graphs" in contender, f"{label}: {contender}",
-                                 lambda: measure(contender, cfg, batches, settings))
-        rows += failed
-        if result is None:
-            continue
-        if full_length not in settings.full_length:
-            full_length = "minibert"
-        ms = 1e3 * result.seconds / result.steps
-        rows += print_rows([
-            row(f"{label}: {contender}, real tokens/s", result.tokens_per_s, "tok/s", f"{ms:.1f} ms/step; "
-                f"loss {result.loss:.3f}"),
-            row(f"{label}: {contender}, real tokens/s vs full-length",
-                100 * result.tokens_per_s / settings.full_length[full_length], "%",
-                f"of {full_length}'s real tokens/s on full-length batches (b{micro}); target >= 90%")])
-    return rows
+    return rows + share_rows(label, references, cfg, batches, settings)
 
 
 def section_3(settings):

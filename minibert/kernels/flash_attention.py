@@ -113,10 +113,11 @@ def _key_length(KV_LEN, batch, seq_len, HAS_PAD: tl.constexpr):
 @triton.jit
 def _clean_length(KV_LEN, batch, kv_len, HAS_PAD: tl.constexpr):
     """How many leading keys of this batch row are all real: key blocks inside them need no bias. With a
-    padding mask, the index of the first padded key (prepare_padding stores it next to kv_len); without one
-    (no mask, or the varlen layout) every key below kv_len is real."""
+    padding mask, the index of the first padded key (prepare_padding stores it next to kv_len; never past
+    it, since key kv_len - 1 is the last real one); without one (no mask, or the varlen layout) every key
+    below kv_len is real."""
     if HAS_PAD:
-        return tl.minimum(tl.load(KV_LEN + 2 * batch + 1), kv_len)
+        return tl.load(KV_LEN + 2 * batch + 1)
     return kv_len
 
 
@@ -334,7 +335,9 @@ def pick_tiles(head_dim, dtype, seq_len=0):
         return FP32_TILES
     width = max(64, head_dim_block(head_dim))
     tiles = TILE_CANDIDATES[width]
-    forward = LONG_FORWARD.get(width, tiles["forward"][0]) if seq_len >= LONG_SEQUENCE else tiles["forward"][0]
+    forward = tiles["forward"][0]
+    if seq_len >= LONG_SEQUENCE:
+        forward = LONG_FORWARD.get(width, forward)
     return forward, tiles["dq"][0], tiles["dkdv"][0], (tiles["short"] or [None])[0]
 
 
