@@ -14,6 +14,8 @@ torch.cuda.synchronize() calls. Each contender gets a fresh model and a fresh pe
     minibert, CUDA graphs   minibert with --cuda-graph-impl local (minibert/cuda_graphs.py): each
                  micro-batch one graph replay; the graphs (one per row count) are captured in a first
                  pass over the timed batches, before the warm-up, a one-time cost like compiling (GPU only)
+    minibert, CUDA graphs, --sparse-mlm   the same with the LM head on the masked positions only (sections
+                 1 and 3): the same loss, less work than its peers compute, so its ratios say so
 
 Sections (--sections picks them):
     1  BERT-large s512 b32, full-length batches: every position real, cut from the default corpus's token
@@ -40,6 +42,7 @@ same count for every contender, since they compute the same model). MFU = model 
     python bench/train_bench.py                      # all sections on the GPU
     python bench/train_bench.py --quick --sections 1,2 --output train.md
     python bench/train_bench.py --device cpu --tiny  # tiny shapes, 1 + 1 steps (tests/test_train_bench.py)
+    python bench/train_bench.py --quick --sections 1 --contenders "minibert, CUDA graphs;HF compiled"
 
 The batches are built before any timing (bench/train_bench_data.py). run() returns rows {name, value,
 unit, notes} for bench/run.py (BENCHMARKS.md); bench/notes-training.md says how to read them."""
@@ -89,6 +92,7 @@ class Settings:
     work_dir: str = None
     prefixes: dict = field(default_factory=dict)     # corpus kind -> (data prefix, note)
     full_length: dict = field(default_factory=dict)  # contender -> real tokens/s of section 1
+    only: tuple = None          # --contenders: run only these (None: all)
 
 
 @dataclass
@@ -182,6 +186,9 @@ def hf_stepper(cfg, batches, device, compiled=False):
     return step
 
 
+SPARSE = "minibert, CUDA graphs, --sparse-mlm"  # the LM head on the masked positions only: not equal work
+SPARSE_NOTE = ("not equal work: the LM head computes the masked positions only (the same loss and gradients), "
+               "HF all of them")
 CONTENDERS = {  # name -> (build(cfg, batches, device) -> step, config overrides)
     "minibert": (minibert_stepper, {}),
     "minibert packed": (minibert_stepper, {}),
@@ -190,6 +197,7 @@ CONTENDERS = {  # name -> (build(cfg, batches, device) -> step, config overrides
     "minibert, levers off by default on": (minibert_stepper, {"gradient_accumulation_fusion": True,
                                                                "bias_gelu_fusion": True, "layernorm_fusion": True}),
     "minibert packed, CUDA graphs": (minibert_stepper, {"cuda_graph_impl": "local"}),
+    SPARSE: (minibert_stepper, {"cuda_graph_impl": "local", "sparse_mlm": True}),
     "HF eager": (hf_stepper, {}),
     "HF compiled": (lambda cfg, batches, device: hf_stepper(cfg, batches, device, compiled=True), {}),
 }
@@ -225,8 +233,12 @@ def measure(contender, cfg, batches, settings) -> Measurement:
     torch.manual_seed(SEED)
     timed = batches[settings.warmup * m:(settings.warmup + settings.steps) * m]
     # --cuda-graph-impl local captures one graph per micro-batch shape, the first time it meets it (a
-    # one-time cost, like compiling): a first pass over the timed batches meets every shape they have
-    prime = timed if cfg.cuda_graph_impl == "local" else []
+    # one-time cost, like compiling): a first pass over the timed batches meets every shape they have.
+    # The largest first: the graphs share one memory pool, and a graph captured after a larger one can fit
+    # in the blocks that one freed (at micro-batch 205, in data order, the H100's 80 GB ran out while
+    # capturing; chapter 8, section 4.13)
+    prime = sorted(timed, key=lambda b: int((b["padding_mask"] == 1).sum()), reverse=True) \
+        if cfg.cuda_graph_impl == "local" else []
     step = build(cfg, prime + list(batches), device)
     for _ in range(len(prime) // m + settings.warmup):
         step()
@@ -249,6 +261,8 @@ def measure(contender, cfg, batches, settings) -> Measurement:
 
 
 def contenders_for(names, settings):
+    if settings.only is not None:
+        names = [n for n in names if n in settings.only]
     if settings.device.type == "cpu":
         print("  HF compiled: skipped on the CPU", flush=True)
         names = [n for n in names if "compiled" not in n]
@@ -277,7 +291,9 @@ def throughput_rows(label, contender, result: Measurement, settings, full=True):
     if full:
         mfu = result.tflops * 1e12 / PEAK_FLOPS
         rows += [row(f"{label}: {contender}, real tokens/s", result.tokens_per_s, "tok/s"),
-                 row(f"{label}: {contender}, model TFLOP/s", result.tflops, "TFLOP/s", "docs/measuring.md formula, r = 1"),
+                 row(f"{label}: {contender}, model TFLOP/s", result.tflops, "TFLOP/s",
+                     "docs/measuring.md formula, r = " + ("the masked share, the work done" if contender == SPARSE
+                                                          else "1")),
                  row(f"{label}: {contender}, MFU", 100 * mfu, "%",
                      f"of 790e12 (bf16 matmul measured on the H200); {100 * mfu * PEAK_FLOPS / DATASHEET_FLOPS:.1f}% "
                      "of the 989e12 datasheet")]
@@ -289,10 +305,13 @@ def throughput_rows(label, contender, result: Measurement, settings, full=True):
 
 def ratio_rows(label, results, mine="minibert"):
     rows = []
+    if mine not in results:  # not run (--contenders) or failed
+        return rows
     for peer in ("HF eager", "HF compiled"):
         if peer in results:
             ratio = results[mine].samples / results[mine].seconds / (results[peer].samples / results[peer].seconds)
-            rows.append(row(f"{label}: {mine} / {peer}", ratio, "x", "seq/s ratio (> 1: minibert is faster)"))
+            rows.append(row(f"{label}: {mine} / {peer}", ratio, "x", "seq/s ratio (> 1: minibert is faster)"
+                            + ("; " + SPARSE_NOTE if mine == SPARSE else "")))
     return rows
 
 
@@ -304,7 +323,8 @@ def full_length_section(name, settings, full=True):
     prefix, _ = corpus_prefix("default", settings)
     batches = stream_batches(prefix, batches_needed(cfg, settings), micro, seq, settings.device)
     results, rows = {}, []
-    for contender in contenders_for(["minibert", "minibert, CUDA graphs", "HF eager", "HF compiled"], settings):
+    for contender in contenders_for(["minibert", "minibert, CUDA graphs", SPARSE, "HF eager", "HF compiled"],
+                                    settings):
         result, failed = attempt("CUDA graphs" in contender, f"{label}: {contender}",
                                  lambda: measure(contender, cfg, batches, settings))
         rows += failed
@@ -312,9 +332,12 @@ def full_length_section(name, settings, full=True):
             continue
         results[contender] = result
         rows += print_rows(throughput_rows(label, contender, results[contender], settings, full))
-    rows += print_rows(ratio_rows(label, results))
-    if "minibert, CUDA graphs" in results:
-        rows += print_rows(ratio_rows(label, results, mine="minibert, CUDA graphs"))
+    for mine in ("minibert", "minibert, CUDA graphs", SPARSE):
+        rows += print_rows(ratio_rows(label, results, mine=mine))
+    if SPARSE in results and "minibert, CUDA graphs" in results:
+        sparse, dense = (results[n].samples / results[n].seconds for n in (SPARSE, "minibert, CUDA graphs"))
+        rows += print_rows([row(f"{label}: --sparse-mlm's gain with graphs", sparse / dense, "x",
+                                "seq/s ratio, the same batches")])
     return rows, results
 
 
@@ -568,8 +591,12 @@ def format_value(value):  # as bench/run.py writes its tables
 
 
 def run(sections=(1, 2, 3, 4, 5), quick=False, device="cuda", tiny=False, corpus=None, long_corpus=None,
-        work_dir=None, command="make bench (bench/run.py)"):
-    """The rows of the chosen sections; the first row records the versions, the device and the command."""
+        work_dir=None, command="make bench (bench/run.py)", only=None):
+    """The rows of the chosen sections; the first row records the versions, the device and the command.
+    only: the contenders to run (names of CONTENDERS; None: every one a section has)."""
+    unknown = sorted(set(only or ()) - set(CONTENDERS))
+    if unknown:
+        raise UsageError(f"--contenders: no contender {unknown[0]!r}; the names are: " + "; ".join(CONTENDERS))
     device = torch.device(device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise UsageError("bench/train_bench.py needs a CUDA GPU; on the CPU run --device cpu --tiny")
@@ -587,7 +614,8 @@ def run(sections=(1, 2, 3, 4, 5), quick=False, device="cuda", tiny=False, corpus
     keep = work_dir is not None
     work_dir = work_dir or tempfile.mkdtemp(prefix="train_bench_")
     os.makedirs(work_dir, exist_ok=True)
-    settings = Settings(device, tiny, warmup, steps, corpus, long_corpus, work_dir)
+    settings = Settings(device, tiny, warmup, steps, corpus, long_corpus, work_dir,
+                        only=tuple(only) if only is not None else None)
     rows = print_rows([row("setup", versions(), "", f"{device_name(device)}; command: {command}")])
     try:
         for number in sorted(sections):
@@ -623,6 +651,8 @@ def main(argv=None):
     parser.add_argument("--work-dir", default=None, help="keep the preprocessed corpora here and reuse them "
                         "(default: a temporary directory, removed at the end)")
     parser.add_argument("--output", default=None, help="also write the rows as a markdown section to this file")
+    parser.add_argument("--contenders", default=None, help="run only these contenders, names separated by ';' "
+                        "(e.g. 'minibert, CUDA graphs;HF compiled': a short GPU call; default: all)")
     args = parser.parse_args(argv)
     try:
         sections = sorted({int(s) for s in args.sections.split(",")})
@@ -631,8 +661,9 @@ def main(argv=None):
     if not set(sections) <= set(SECTIONS):
         raise UsageError(f"--sections {args.sections!r}: the sections are 1, 2, 3, 4 and 5")
     command = "python bench/train_bench.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    only = [n.strip() for n in args.contenders.split(";")] if args.contenders else None
     rows = run(sections, args.quick, args.device, args.tiny, args.corpus, args.long_corpus, args.work_dir,
-               command.strip())
+               command.strip(), only)
     if args.output:
         from minibert.atomic import atomic_write
         text = markdown(rows)

@@ -21,7 +21,7 @@ from minibert.blended_dataset import build_blended_train_valid_test_datasets, pa
 from minibert.errors import UsageError
 from minibert.masked_lm import open_data_prefix, split_num_samples
 from minibert.attention import backend_for, reads_packed_rows
-from minibert.packing import make_packing, packing_threshold, to_device, trimmed_length, worth_packing
+from minibert.packing import fill_rows, make_packing, packing_threshold, to_device, trimmed_length, worth_packing
 from minibert.tokenizer import DEFAULT_VOCAB_FILE, build_tokenizer
 
 BATCH_KEYS = ("text", "types", "labels", "padding_mask", "loss_mask", "is_random")
@@ -168,9 +168,11 @@ def get_batch(data_iterator, device, cfg):
     `packing` (cfg.pack_tokens: the real tokens' positions, minibert.packing; the batch is then trimmed to
     its longest sample; with --cuda-graph-impl local it is not trimmed, every micro-batch is packed and its
     rows are rounded up to a multiple of s with filler rows, so that a few graphs serve every batch),
-    `lm_rows` (--sparse-mlm: the rows of the model's flattened hidden states the LM head computes) and `loss_positions` (the flat positions b * s + j the LM logits' rows belong to; None:
-    all of [b, s]). Megatron's padding_mask is 1 at real tokens and the vocab's [PAD] id at padding (0 with
-    BERT's vocab), so padding is where it is not 1 (build_datasets refuses a vocab whose [PAD] is 1)."""
+    `lm_rows` (--sparse-mlm: the rows of the model's flattened hidden states the LM head computes; with
+    graphs followed by fillers up to a multiple of s, packing.fill_rows) and `loss_positions` (the flat
+    positions b * s + j the LM logits' rows belong to; None: all of [b, s]). Megatron's padding_mask is 1
+    at real tokens and the vocab's [PAD] id at padding (0 with BERT's vocab), so padding is where it is
+    not 1 (build_datasets refuses a vocab whose [PAD] is 1)."""
     try:
         cpu_batch = next(data_iterator)
     except StopIteration:
@@ -180,8 +182,8 @@ def get_batch(data_iterator, device, cfg):
     is_pad[:, 0] = False  # the [CLS] position is always attended and pooled: a sample is never all padding
     flops, tokens = batch_flops(cpu_batch, cfg, is_pad)
     packing = lm_rows = loss_positions = None
+    graphed = cfg.cuda_graph_impl == "local"  # a CUDA graph per shape: keep s, round the rows up
     if cfg.pack_tokens:
-        graphed = cfg.cuda_graph_impl == "local"  # a CUDA graph per shape: keep s, round the rows up
         s = is_pad.shape[1] if graphed else trimmed_length(is_pad)
         cpu_batch = {k: v[:, :s] if v.dim() == 2 else v for k, v in cpu_batch.items()}
         is_pad = is_pad[:, :s]
@@ -189,7 +191,11 @@ def get_batch(data_iterator, device, cfg):
             packing = make_packing(is_pad, bucket=s if graphed else None)
             loss_positions = packing.index  # one LM row per packed row
     if cfg.sparse_mlm:
-        loss_positions = cpu_batch["loss_mask"].reshape(-1).nonzero().squeeze(1)  # the masked positions
+        loss_mask = cpu_batch["loss_mask"].reshape(-1)
+        loss_positions = loss_mask.nonzero().squeeze(1)  # the masked positions
+        if graphed:  # a fixed number of LM rows per graph: fillers that the loss ignores, as the packing's
+            rows = packing.index if packing is not None else torch.arange(loss_mask.numel())
+            loss_positions = fill_rows(loss_positions, rows[loss_mask[rows] == 0], is_pad.shape[1], len(rows))
         lm_rows = loss_positions
         if packing is not None:  # flat position -> packed row
             row_of = torch.full((is_pad.numel(),), -1, dtype=torch.int64)

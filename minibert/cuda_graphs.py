@@ -38,9 +38,13 @@ records run at the first replay. A model's graphs share one memory pool: each
 replay's temporaries are dead once it ends (its outputs are copied at once, its gradients are in the
 main grads), so the next graph may reuse their memory, and b graphs cost about the memory of one.
 
+--sparse-mlm's LM head takes a different number of masked rows in every micro-batch; with graphs
+get_batch rounds that count up to a multiple of s too, with filler rows the loss gives no weight
+(packing.fill_rows), so the head's shape is one of a few as well.
+
 Limits (config.py refuses the rest with one line): a CUDA device; tensor and pipeline parallel size 1
 (their collectives and sends would be recorded too); no activation recompute (torch.utils.checkpoint
-sets generator states, which capture forbids); no --sparse-mlm (its LM head's row count changes).
+sets generator states, which capture forbids).
 
 What production does: Megatron's --cuda-graph-impl local (CudaGraphManager) captures each transformer
 layer's forward and backward separately, which keeps the pipeline schedule and the collectives between
@@ -61,8 +65,9 @@ def graph_inputs(batch) -> dict:
     packing = batch["packing"]
     if packing is not None:
         inputs.update(index=packing.index, cls_rows=packing.cls_rows, cu_seqlens=packing.cu_seqlens)
-    if batch["loss_positions"] is not None:
-        inputs["loss_positions"] = batch["loss_positions"]
+    for name in ("loss_positions", "lm_rows"):  # lm_rows: --sparse-mlm's rows, a fixed count (get_batch)
+        if batch[name] is not None:
+            inputs[name] = batch[name]
     return inputs
 
 
@@ -85,7 +90,7 @@ class CapturedMicroBatch:
             packing = packing._replace(index=self.static["index"], cls_rows=self.static["cls_rows"],
                                        cu_seqlens=self.static["cu_seqlens"])
         static_batch = {**batch, **{k: self.static[k] for k in BATCH_INPUTS}, "packing": packing,
-                        "loss_positions": self.static.get("loss_positions"), "lm_rows": None}
+                        "loss_positions": self.static.get("loss_positions"), "lm_rows": self.static.get("lm_rows")}
         run = lambda accumulate: forward_backward(forward_step, model, optimizer, num_micro_batches,  # noqa: E731
                                                   static_batch, accumulate)
         stream = torch.cuda.Stream()  # warm-up and capture on one side stream (its cuBLAS workspace)

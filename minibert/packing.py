@@ -84,6 +84,17 @@ def make_packing(is_pad, bucket=None) -> Packing:
     return Packing(index, cls_rows, cu_seqlens, b, s)
 
 
+def fill_rows(positions, free, bucket, limit):
+    """--sparse-mlm under CUDA graphs: the masked positions [n] followed by copies of free[0] up to a
+    multiple of bucket (at most limit, the rows there are). free: positions with an LM row whose loss_mask
+    is 0 (there is one whenever a filler is needed: n < rows <= limit). Their label is -1 and their weight
+    in the loss 0, so they add nothing to the loss or to any gradient; a graph then serves every count of
+    masked positions in the same bucket, as make_packing's fillers do for the packed rows."""
+    n = len(positions)
+    rows = min(limit, -(-max(n, 1) // bucket) * bucket)
+    return torch.cat([positions, free[:1].expand(rows - n)]) if rows > n else positions
+
+
 def to_device(packing, device) -> Packing:
     return packing._replace(index=packing.index.to(device, non_blocking=True),
                             cls_rows=packing.cls_rows.to(device, non_blocking=True),

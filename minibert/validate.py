@@ -157,9 +157,6 @@ def _validate_cuda_graph(cfg: Config, device_type: str, warn):
     if cfg.recompute is not None:
         raise UsageError("--cuda-graph-impl local cannot capture activation recompute (it saves and restores "
                          "random-generator states on the host): drop --recompute-* or the graph")
-    if cfg.sparse_mlm:
-        raise UsageError("--cuda-graph-impl local needs fixed shapes and --sparse-mlm sends a different number "
-                         "of rows through the LM head in every micro-batch: drop one of the two flags")
     if cfg.overlap_grad_reduce and cfg.data_parallel_size > 1:
         warn("--overlap-grad-reduce is off with --cuda-graph-impl local: the gradients are reduced after the "
              "last micro-batch's graph")

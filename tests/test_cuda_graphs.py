@@ -120,12 +120,46 @@ def test_the_layout_a_graph_replays_equals_the_padded_twin(tiny_data, backend):
         assert error < 1e-4, (name, float(error))
 
 
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "padded"])
+def test_sparse_mlm_rows_a_graph_replays_give_the_dense_loss_and_gradients(tiny_data, packed):
+    """--sparse-mlm in the graph layout, run eagerly on the CPU: the masked positions are followed by
+    fillers up to a multiple of s (packing.fill_rows), which the loss gives no weight, so the loss and
+    every gradient are the dense padded twin's."""
+    import dataclasses
+    from minibert.batches import build_datasets
+    from test_packing import first_micro_batch_grads
+    cfg = tiny_trainer_config(tiny_data, global_batch_size=4)
+    _, (train_ds, _, _) = build_datasets(cfg, log=lambda line: None)
+    runs = {name: first_micro_batch_grads(run_cfg, train_ds, torch.device("cpu"))
+            for name, run_cfg in {"graph layout": dataclasses.replace(cfg, cuda_graph_impl="local", sparse_mlm=True,
+                                                                      pack_tokens=packed),
+                                  "dense": dataclasses.replace(cfg, pack_tokens=False)}.items()}
+    batch = runs["graph layout"][2]
+    masked = int(batch["loss_mask"].sum())
+    rows = len(batch["lm_rows"])
+    assert rows % 64 == 0 and masked <= rows < masked + 64 and len(batch["loss_positions"]) == rows
+    fillers = batch["loss_positions"][masked:]
+    assert (batch["loss_mask"].reshape(-1)[fillers] == 0).all() and (batch["lm_rows"][masked:] >= 0).all()
+    torch.testing.assert_close(runs["graph layout"][0], runs["dense"][0], rtol=1e-5, atol=0)
+    for name, grad in runs["dense"][1].items():
+        error = (runs["graph layout"][1][name] - grad).norm() / grad.norm().clamp(min=1e-12)
+        assert error < 1e-4, (name, float(error))
+
+
+def test_fill_rows_pads_to_the_bucket_with_the_first_free_position():
+    from minibert.packing import fill_rows
+    positions, free = torch.tensor([3, 7, 9]), torch.tensor([0, 1, 2])
+    assert fill_rows(positions, free, 4, 12).tolist() == [3, 7, 9, 0]
+    assert fill_rows(positions, free, 8, 6).tolist() == [3, 7, 9, 0, 0, 0]      # at most the rows there are
+    assert fill_rows(positions, free[:0], 3, 12).tolist() == [3, 7, 9]           # a full bucket: no filler
+    assert fill_rows(positions[:0], free, 4, 12).tolist() == [0, 0, 0, 0]       # no masked position at all
+
+
 @pytest.mark.parametrize("overrides,world,named", [
     ({}, 1, "needs a CUDA GPU"),
     ({"tensor_model_parallel_size": 2}, 2, "--tensor-model-parallel-size 1"),
     ({"pipeline_model_parallel_size": 2}, 2, "--pipeline-model-parallel-size 1"),
     ({"recompute_activations": True}, 1, "drop --recompute-*"),
-    ({"sparse_mlm": True}, 1, "--sparse-mlm"),
     ({"cuda_graph_impl": "transformer_engine"}, 1, "pass --cuda-graph-impl local"),
 ])
 def test_what_the_flag_refuses_names_the_fix(overrides, world, named):

@@ -61,6 +61,20 @@ def test_tiny_cpu_run_prints_every_section():
             assert unit, name
 
 
+def test_contenders_runs_only_the_named_ones_and_refuses_an_unknown_name():
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    command = [sys.executable, "bench/train_bench.py", "--device", "cpu", "--tiny", "--sections", "3"]
+    result = subprocess.run(command + ["--contenders", "HF eager"], cwd=ROOT, env=env, capture_output=True,
+                            text=True, timeout=150)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    names = [name for name, _, _ in parse(result.stdout)[3]]
+    assert names and all(": HF eager, " in name for name in names), names  # no minibert row, no ratio
+    result = subprocess.run(command + ["--contenders", "minibert;HF"], cwd=ROOT, env=env, capture_output=True,
+                            text=True, timeout=150)
+    assert result.returncode == 2 and "no contender 'HF'" in result.stderr, result.stderr[-2000:]
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
 def test_profile_steps_puts_kernels_in_their_categories():
     """bench/profile_steps.py (a GPU script) sorts kernels by name: the names below are from its H200 run
     (bench/profile_steps_h200.md), and the table sums each category per contender."""
