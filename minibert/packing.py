@@ -76,7 +76,7 @@ def make_packing(is_pad, bucket=None) -> Packing:
     cu_seqlens = torch.cat([ends.new_zeros(1), ends]).to(torch.int32)   # [0, end of sample 0, ...]
     if bucket is not None:
         n = len(index)
-        rows = min(b * s, -(-max(n, 1) // bucket) * bucket)
+        rows = bucketed(n, bucket, b * s)
         if rows > n:
             fillers = (~real).nonzero().squeeze(1)[:rows - n]           # the first padding positions
             index = torch.cat([index, fillers])
@@ -91,8 +91,13 @@ def fill_rows(positions, free, bucket, limit):
     in the loss 0, so they add nothing to the loss or to any gradient; a graph then serves every count of
     masked positions in the same bucket, as make_packing's fillers do for the packed rows."""
     n = len(positions)
-    rows = min(limit, -(-max(n, 1) // bucket) * bucket)
+    rows = bucketed(n, bucket, limit)
     return torch.cat([positions, free[:1].expand(rows - n)]) if rows > n else positions
+
+
+def bucketed(n, bucket, limit):
+    """n rows rounded up to a multiple of bucket (at least one bucket), but never past limit."""
+    return min(limit, -(-max(n, 1) // bucket) * bucket)
 
 
 def to_device(packing, device) -> Packing:
