@@ -234,9 +234,8 @@ def measure(contender, cfg, batches, settings) -> Measurement:
     timed = batches[settings.warmup * m:(settings.warmup + settings.steps) * m]
     # --cuda-graph-impl local captures one graph per micro-batch shape, the first time it meets it (a
     # one-time cost, like compiling): a first pass over the timed batches meets every shape they have.
-    # The largest first: the graphs share one memory pool, and a graph captured after a larger one can fit
-    # in the blocks that one freed (at micro-batch 205, in data order, the H100's 80 GB ran out while
-    # capturing; chapter 8, section 4.13)
+    # The largest first: the graphs share one memory pool, and a graph captured after a larger one fits
+    # in the blocks that one freed, where one captured before it would leave a smaller hole behind
     prime = sorted(timed, key=lambda b: int((b["padding_mask"] == 1).sum()), reverse=True) \
         if cfg.cuda_graph_impl == "local" else []
     step = build(cfg, prime + list(batches), device)

@@ -34,9 +34,11 @@ seed read from memory as in the capture, and cuBLAS picks its algorithms and wor
 record a first-time setup), which leaves no trace: its gradients are dropped, the random generators
 are put back, and with --gradient-accumulation-fusion, whose backward adds straight into the main grads,
 those are put back too (main_grads_kept). Then the capture itself, which runs nothing: the kernels it
-records run at the first replay. A model's graphs share one memory pool: each
-replay's temporaries are dead once it ends (its outputs are copied at once, its gradients are in the
-main grads), so the next graph may reuse their memory, and b graphs cost about the memory of one.
+records run at the first replay. A model's graphs share one memory pool and one
+capture stream: each replay's temporaries are dead once it ends (its outputs are copied at once, its
+gradients are in the main grads), so the next graph may reuse their memory, and b graphs cost about the
+memory of the largest (the allocator reuses a freed block only on the stream that allocated it, hence
+the one stream).
 
 --sparse-mlm's LM head takes a different number of masked rows in every micro-batch; with graphs
 get_batch rounds that count up to a multiple of s too, with filler rows the loss gives no weight
@@ -82,7 +84,7 @@ class CapturedMicroBatch:
     """One shape's graph: forward_step + backward + gradient accumulation of one micro-batch. It keeps
     the graph and its input and output tensors, not the model (so a model's graphs go with the model)."""
 
-    def __init__(self, forward_step, model, optimizer, num_micro_batches, batch, pool):
+    def __init__(self, forward_step, model, optimizer, num_micro_batches, batch, pool, stream):
         self.loss_scale = optimizer.loss_scale
         self.static = {k: t.clone() for k, t in graph_inputs(batch).items()}
         packing = batch["packing"]
@@ -93,8 +95,7 @@ class CapturedMicroBatch:
                         "loss_positions": self.static.get("loss_positions"), "lm_rows": self.static.get("lm_rows")}
         run = lambda accumulate: forward_backward(forward_step, model, optimizer, num_micro_batches,  # noqa: E731
                                                   static_batch, accumulate)
-        stream = torch.cuda.Stream()  # warm-up and capture on one side stream (its cuBLAS workspace)
-        warm_up(run, stream, optimizer.grads)
+        warm_up(run, stream, optimizer.grads)  # warm-up and capture on the model's side stream (ModelGraphs)
         self.graph = torch.cuda.CUDAGraph()
         # thread_local: only this thread is barred from unsafe CUDA calls while recording (the DataLoader's
         # pin-memory thread keeps pinning batches meanwhile); no garbage collection while recording: what it
@@ -172,10 +173,15 @@ def main_grads_kept(grads):
 
 
 class ModelGraphs:
-    """A model's graphs, one per shape, and the memory pool they share."""
+    """A model's graphs, one per shape, the memory pool they share and the one side stream they are all
+    captured on. One stream, because the caching allocator hands a freed block only to a request on the
+    stream it was first allocated on: graphs captured on a stream each would each keep their own blocks
+    in the shared pool, and b graphs would cost b graphs' memory (BERT-large at micro-batch 205 ran out of
+    an 80 GB GPU so, with 47 GiB in the pool; chapter 8, section 4.13)."""
 
     def __init__(self):
         self.pool = torch.cuda.graph_pool_handle()
+        self.stream = torch.cuda.Stream()
         self.by_shape = {}
 
 
@@ -198,7 +204,7 @@ def forward_backward_captured(forward_step, batches, model, optimizer):
         key = shape_key(batch, len(batches), inputs) + (tuple(g.fresh for g in optimizer.grads),)
         if key not in graphs.by_shape:
             graphs.by_shape[key] = CapturedMicroBatch(forward_step, model, optimizer, len(batches), batch,
-                                                      graphs.pool)
+                                                      graphs.pool, graphs.stream)
         results.append(graphs.by_shape[key].replay(batch, inputs))
         for g in optimizer.grads:
             g.fresh = False  # the replay ran the recorded fold: the next micro-batch adds

@@ -189,3 +189,40 @@ def test_the_warm_up_puts_fused_main_grads_back(tmp_path):
     warm_up(run, torch.cuda.Stream())
     torch.cuda.synchronize()
     assert any(not torch.equal(p.main_grad, before[n]) for n, p in model.named_parameters())
+
+
+def graph_pool_bytes() -> int:
+    """The bytes of CUDA memory in private pools (CUDA graphs' pools), from the allocator's snapshot."""
+    return sum(seg["total_size"] for seg in torch.cuda.memory_snapshot() if tuple(seg["segment_pool_id"]) != (0, 0))
+
+
+def test_graphs_of_several_shapes_cost_the_memory_of_the_largest(tmp_path):
+    """A model's graphs share one pool and one capture stream: after the largest shape's graph, three
+    smaller shapes' graphs fit in the blocks it freed, and the pool grows by at most a quarter (with a
+    stream per capture each graph kept blocks of its own, and the pool grew by each one's temporaries)."""
+    import functools
+    from minibert.batches import build_data_iterator, get_batch
+    from minibert.cuda_graphs import captured_graphs, forward_backward_captured, shape_key
+    from minibert.train import build_model_and_optimizer, forward_step
+    cfg, train_ds = trainer_pieces(tmp_path, bf16=True, hidden_size=512, micro_batch_size=32,
+                                   global_batch_size=32, cuda_graph_impl="local")
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    model, optimizer, _ = build_model_and_optimizer(cfg, dev)
+    model.train()
+    iterator = build_data_iterator(train_ds, 0, cfg, dev)
+    by_shape = {}
+    for _ in range(40):
+        batch = get_batch(iterator, dev, cfg)
+        by_shape.setdefault(shape_key(batch, 1), batch)
+    batches = sorted(by_shape.values(), key=lambda b: b["packing"].index.numel(), reverse=True)[:4]
+    assert len(batches) == 4 and batches[0]["packing"].index.numel() > batches[-1]["packing"].index.numel()
+    step = functools.partial(forward_step, cfg=cfg)
+    pools = []
+    for batch in batches:
+        optimizer.zero_grad()
+        forward_backward_captured(step, [batch], model, optimizer)
+        torch.cuda.synchronize()
+        pools.append(graph_pool_bytes())
+    assert captured_graphs(model) == 4
+    assert pools[0] > 0 and pools[-1] <= 1.25 * pools[0], pools
