@@ -16,8 +16,8 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 import triton  # noqa: E402
 
-from bench import (attention_bench, bias_gelu_bench, cross_entropy_bench, layer_norm_bench,  # noqa: E402
-                   softmax_bench, train_bench)
+from bench import (adamw_bench, attention_bench, bias_gelu_bench, cross_entropy_bench,  # noqa: E402
+                   layer_norm_bench, softmax_bench, train_bench)
 from minibert.atomic import atomic_write  # noqa: E402
 
 
@@ -37,6 +37,7 @@ SECTIONS = [
     ("Fused cross entropy (minibert/kernels/cross_entropy.py)", cross_entropy_bench),
     ("Fused dropout + residual add + LayerNorm (minibert/kernels/layer_norm.py)", layer_norm_bench),
     ("Fused bias + GeLU (minibert/kernels/bias_gelu.py, --bias-gelu-fusion, off by default)", bias_gelu_bench),
+    ("AdamW and the copy back in one pass (minibert/kernels/adamw.py, --adam-fusion)", adamw_bench),
     ("Training throughput (bench/train_bench.py, --quick: 3 warm-up and 8 timed steps per contender)",
      QuickTraining),
 ]

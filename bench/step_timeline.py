@@ -102,7 +102,7 @@ def timeline(case, overrides, work_dir, steps=12, skip=4):
             wrap(train_module, "forward_backward_captured", marks, None, "queued"),
             wrap(train_module, "forward_backward_no_pipelining", marks, None, "queued"),
             wrap(optimizer, "_global_status", marks, None, "status"),
-            wrap(optimizer.adam, "step", marks, "adam", None),
+            wrap(optimizer, "update", marks, "adam", None),
             wrap(optimizer, "step", marks, None, "end")]
     iterator = PrefetchingBatches(iter(batches))  # as the trainer's (and train_bench's) iterator
     try:

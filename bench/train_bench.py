@@ -514,6 +514,7 @@ LEVERS_GRAPHED = {  # the same with CUDA graphs, where the host's launch cost is
     "minibert, CUDA graphs --bias-gelu-fusion": {"bias_gelu_fusion": True},
     "minibert, CUDA graphs --layernorm-fusion": {"layernorm_fusion": True},
     "minibert, CUDA graphs --no-residual-layernorm-fusion": {"residual_layernorm_fusion": False},
+    "minibert, CUDA graphs --no-adam-fusion": {"adam_fusion": False},
 }
 
 

@@ -76,6 +76,10 @@ class Config:
                                                   "Megatron's flag, there off by default); off: fp32 cast + "
                                                   "F.cross_entropy",
                                             action=argparse.BooleanOptionalAction)
+    adam_fusion: bool = _flag(True, "on a GPU: AdamW and the copy of the updated fp32 masters into the 16-bit "
+                                    "weights in one Triton pass (minibert/kernels/adamw.py, 30 bytes a "
+                                    "parameter); off: PyTorch's fused AdamW, then the copy (38 bytes)",
+                              action=argparse.BooleanOptionalAction)
     cuda_graph_impl: str = _flag("none", "local: capture each micro-batch's forward + backward as one CUDA graph "
                                          "per shape and replay it (minibert/cuda_graphs.py; packed rows rounded "
                                          "up to a multiple of --seq-length; TP = PP = 1); none: launch every "

@@ -13,6 +13,12 @@ its size (bf16 keeps 8 bits of mantissa: 1 + 2^-9 rounds back to 1).
                      | and skips a bad step itself: both decided on the device (see step())
                      (fp32 master params, fp32 main grads, fp32 Adam moments)
 
+Two kernels do the update. On a GPU, minibert/kernels/adamw.py: one Triton pass per bucket shard that
+reads each fp32 buffer once and writes the 16-bit weights on its way out (30 bytes a parameter). Its
+plain twin, and the CPU's path, is PyTorch's fused AdamW followed by a copy back (38 bytes: it also
+stores the divided gradients). Both keep Adam's moments in the same flat buffers, so checkpoints do not
+depend on the kernel (kernel="torch" or "triton" chooses; tests/test_optim.py checks they agree).
+
 The optimizer works on *pieces*: the part of each parameter that lies in this rank's shard of a bucket.
 Without ZeRO-1 the shard is the whole bucket, so every parameter is one whole piece and every DP rank
 updates everything; with --use-distributed-optimizer rank r updates only shard r and the parameters are
@@ -39,6 +45,7 @@ from collections import namedtuple
 import torch
 import torch.distributed as dist
 
+from minibert.kernels import adamw as adamw_kernel
 from minibert.loss_scale import DynamicLossScaler
 from minibert.parallel.data_parallel import DataParallelGrads, finalize_gradients
 from minibert.parallel.state import ParallelState
@@ -49,13 +56,40 @@ def no_weight_decay(name: str, param: torch.Tensor) -> bool:
     return name.endswith(".bias") or param.ndim == 1
 
 
-class Piece:
-    """The part [start, end) of a flattened parameter that this rank's optimizer updates: `master` is its
-    fp32 value (master.grad its fp32 gradient), both views into the bucket's flat buffers."""
+class Shard:
+    """The part [lo, hi) of a gradient bucket that this rank's optimizer updates, as flat fp32 buffers:
+    `master` (a copy of the 16-bit values, or in fp32 runs the bucket's own values), `grad` (the bucket's
+    fp32 gradients), and Adam's two moments. `pieces`: its parameters' parts, in the bucket's order."""
 
-    def __init__(self, name, param, start, end, master, in_norm):
-        self.name, self.param, self.start, self.end = name, param, start, end
-        self.master, self.in_norm = master, in_norm
+    def __init__(self, bucket):
+        self.bucket = bucket
+        self.lo, self.hi = bucket.shard
+        self.low_precision = bucket.param_data.dtype != torch.float32
+        values = bucket.param_data[self.lo:self.hi]
+        self.model_values = values if self.low_precision else None  # where the 16-bit weights are copied back
+        self.master = values.float() if self.low_precision else values
+        self.grad = bucket.grad_data[self.lo:self.hi]
+        self.exp_avg, self.exp_avg_sq = torch.zeros_like(self.master), torch.zeros_like(self.master)
+        self.pieces, self.table = [], None  # table: the Triton kernel's chunks, made at its first step
+
+    def copy_back(self):
+        """The updated fp32 masters into the model's 16-bit weights (nothing to do in fp32 runs)."""
+        if self.low_precision:
+            with torch.no_grad():
+                self.model_values.copy_(self.master)
+
+
+class Piece:
+    """The part [start, end) of a flattened parameter that this rank's optimizer updates, at [lo, hi) of its
+    shard's buffers: `master` is its fp32 value (master.grad its fp32 gradient), `exp_avg` and `exp_avg_sq`
+    its Adam moments, all views of the shard's flat buffers."""
+
+    def __init__(self, name, param, start, end, in_norm, shard, lo, hi):
+        self.name, self.param, self.start, self.end, self.in_norm = name, param, start, end, in_norm
+        self.lo, self.hi = lo, hi
+        self.master = shard.master[lo:hi]
+        self.master.grad = shard.grad[lo:hi]
+        self.exp_avg, self.exp_avg_sq = shard.exp_avg[lo:hi], shard.exp_avg_sq[lo:hi]
 
 
 StepOutcome = namedtuple("StepOutcome", ["update_successful", "grad_norm", "status"])  # "ok" / "overflow" / "nan"
@@ -69,35 +103,40 @@ class MixedPrecisionOptimizer:
     status): grad_norm a 0-d tensor taken before clipping (None when the step was skipped)."""
 
     def __init__(self, grads: list, state: ParallelState, *, lr=0.0, weight_decay=0.01, betas=(0.9, 0.999),
-                 eps=1e-8, clip_grad=1.0, loss_scaler: DynamicLossScaler = None, shared_embedding=None):
+                 eps=1e-8, clip_grad=1.0, loss_scaler: DynamicLossScaler = None, shared_embedding=None, kernel=None):
         self.grads, self.state = grads, state
         self.clip_grad, self.loss_scaler = clip_grad, loss_scaler
         self.shared_embedding = shared_embedding  # pipelining: the tied word table (first stage) or its copy (last)
         self.distributed = grads[0].distributed_optimizer
-        self.pieces, self._master_shards = [], []  # (bucket, fp32 shard) for the copy back
+        self.pieces, self.shards = [], []
         for bucket in (b for g in grads for b in g.buckets):
-            lo, hi = bucket.shard
-            low_precision = bucket.param_data.dtype != torch.float32
-            shard = bucket.param_data[lo:hi].float() if low_precision else bucket.param_data[lo:hi]
-            self._master_shards.append((bucket, shard, low_precision))
-            grad_shard = bucket.grad_data[lo:hi]
+            shard = Shard(bucket)
             for name, param, (a, b) in zip(bucket.names, bucket.params, bucket.ranges):
-                x, y = max(a, lo), min(b, hi)  # the part of this parameter inside the shard
+                x, y = max(a, shard.lo), min(b, shard.hi)  # the part of this parameter inside the shard
                 if x >= y:
                     continue
-                master = shard[x - lo:y - lo]
-                master.grad = grad_shard[x - lo:y - lo]
-                self.pieces.append(Piece(name, param, x - a, y - a, master, self._in_norm(name, param)))
+                piece = Piece(name, param, x - a, y - a, self._in_norm(name, param), shard, x - shard.lo, y - shard.lo)
+                shard.pieces.append(piece)
+                self.pieces.append(piece)
+            self.shards.append(shard)
         order = {id(p): i for i, p in enumerate(p for g in grads for p in g.params)}
         self.pieces.sort(key=lambda pc: order[id(pc.param)])  # the model's order (buckets run backwards)
-        self.low_precision = any(lp for _, _, lp in self._master_shards)
+        self.low_precision = any(sh.low_precision for sh in self.shards)
+        self.steps_made = 0  # updates applied so far (skipped steps do not count): AdamW's t - 1
+        # "triton": minibert/kernels/adamw.py, AdamW and the copy back in one pass (CUDA, or the interpreter);
+        # "torch": PyTorch's fused AdamW (one kernel on CUDA and on the CPU), then the copy back: the plain twin
+        self.kernel = kernel or ("triton" if self.pieces and self.pieces[0].master.is_cuda else "torch")
         decay = [pc.master for pc in self.pieces if not no_weight_decay(pc.name, pc.param)]
         no_decay = [pc.master for pc in self.pieces if no_weight_decay(pc.name, pc.param)]
         groups = [g for g in ({"params": decay, "weight_decay": weight_decay},
                               {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
         # fused=True: one kernel for all of AdamW's elementwise work, on CUDA and on the CPU, and the one
-        # implementation that takes grad_scale and found_inf (step() says why it needs them)
+        # implementation that takes grad_scale and found_inf (step() says why it needs them). It also holds
+        # the param groups (the LR schedule sets their "lr") for the Triton path.
         self.adam = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=True)
+        for pc in self.pieces:  # the moments are views of the shards' flat buffers, for either kernel
+            self.adam.state[pc.master] = {"step": torch.zeros((), dtype=torch.float32, device=pc.master.device),
+                                          "exp_avg": pc.exp_avg, "exp_avg_sq": pc.exp_avg_sq}
 
     def _in_norm(self, name, param) -> bool:
         """Count each parameter once in the global grad norm: a tensor-parallel *replicated* one (a
@@ -141,9 +180,9 @@ class MixedPrecisionOptimizer:
     def step(self, nonfinite_loss=None) -> StepOutcome:
         """nonfinite_loss: 0-d device tensor, > 0 when a micro-batch's loss on this rank was inf/NaN.
 
-        The update is queued before the host learns whether to make it. AdamW (torch's fused kernel, one
-        pass over every piece) takes two 0-d device tensors: it divides each gradient by grad_scale before
-        using it, and changes nothing (weights, moments, step count) where found_inf is 1. So unscaling
+        The update is queued before the host learns whether to make it. AdamW (either kernel, see update)
+        takes two 0-d device tensors: it divides each gradient by a divisor before using it, and changes
+        nothing (weights, moments, step count) where found_inf is 1. So unscaling
         (fp16), clipping and the decision to skip are computed on the device, and the one host sync of the
         step, reading [||g||^2, bad losses] for the log and the loss scaler, comes after AdamW and the copy
         back are queued: the GPU runs them while the host decides, instead of waiting for its next call."""
@@ -155,13 +194,8 @@ class MixedPrecisionOptimizer:
         # g <- g / scale * min(1, clip / (||g|| + 1e-6)), as one divisor: scale * max(1, (||g|| + 1e-6) / clip)
         divisor = (torch.clamp((grad_norm + 1e-6) / self.clip_grad, min=1.0) if self.clip_grad > 0
                    else torch.ones_like(grad_norm))
-        self.adam.grad_scale = divisor * scale if scale != 1.0 else divisor
-        self.adam.found_inf = ((status[1] > 0) | ~torch.isfinite(sumsq)).float()  # 1: skip the update
-        self.adam.step()
-        with torch.no_grad():
-            for bucket, shard, low_precision in self._master_shards:
-                if low_precision:
-                    bucket.param_data[bucket.shard[0]:bucket.shard[1]].copy_(shard)  # fp32 -> 16-bit
+        found_inf = ((status[1] > 0) | ~torch.isfinite(sumsq)).float()  # 1: skip the update
+        self.update(divisor * scale if scale != 1.0 else divisor, found_inf)
         for g in self.grads:
             g.gather_params()  # ZeRO-1: the updated shards to every rank
         scaled_sumsq, bad_losses = status.tolist()  # one host sync per step: the log and the loss scaler need it
@@ -174,7 +208,29 @@ class MixedPrecisionOptimizer:
             return StepOutcome(False, None, "overflow")
         if self.loss_scaler is not None:
             self.loss_scaler.update(False)
+        self.steps_made += 1
         return StepOutcome(True, grad_norm, "ok")
+
+    def update(self, divisor, found_inf):
+        """AdamW on every piece, each gradient divided by `divisor`, then the 16-bit weights from the
+        masters; nothing changes where `found_inf` is 1 (both 0-d fp32 device tensors)."""
+        if self.kernel == "torch":
+            self.adam.grad_scale, self.adam.found_inf = divisor, found_inf
+            self.adam.step()
+            for shard in self.shards:
+                shard.copy_back()
+            return
+        group = self.adam.param_groups[0]  # the decayed parameters' group (if none, no chunk is decayed)
+        for shard in self.shards:
+            if shard.table is None:
+                shard.table = adamw_kernel.program_table(
+                    [(pc.lo, pc.hi) for pc in shard.pieces],
+                    [not no_weight_decay(pc.name, pc.param) for pc in shard.pieces],
+                    adamw_kernel.block_size(), shard.master.device)
+            adamw_kernel.adamw_(shard.master, shard.grad, shard.exp_avg, shard.exp_avg_sq, shard.table,
+                                divisor=divisor, found_inf=found_inf, lr=group["lr"], weight_decay=group["weight_decay"],
+                                betas=group["betas"], eps=group["eps"], step=self.steps_made + 1,
+                                model_copy=shard.model_values)
 
     def _global_status(self, nonfinite_loss):
         """[||g||^2 over the whole model, count of bad losses], the same on every rank: one all-reduce
@@ -197,9 +253,9 @@ class MixedPrecisionOptimizer:
         """After new weights were loaded into the model (--finetune, --no-load-optim): the fp32 masters
         of a 16-bit run start from them (fp32 runs' masters are the parameters already)."""
         with torch.no_grad():
-            for bucket, shard, low_precision in self._master_shards:
-                if low_precision:
-                    shard.copy_(bucket.param_data[bucket.shard[0]:bucket.shard[1]])
+            for shard in self.shards:
+                if shard.low_precision:
+                    shard.master.copy_(shard.model_values)
 
     # ---- checkpoints: by parameter name, any layout ----
     def state_dict(self):
@@ -208,15 +264,13 @@ class MixedPrecisionOptimizer:
         params = {}
         for pc in self.pieces:
             entry = {"range": [pc.start, pc.end]}
-            adam_state = self.adam.state.get(pc.master, {})
-            for key in ("exp_avg", "exp_avg_sq"):
-                if key in adam_state:
-                    entry[key] = adam_state[key].detach().cpu().clone()
+            if self.steps_made > 0:
+                entry["exp_avg"] = pc.exp_avg.detach().cpu().clone()
+                entry["exp_avg_sq"] = pc.exp_avg_sq.detach().cpu().clone()
             if self.low_precision:
                 entry["master"] = pc.master.detach().cpu().clone()
             params[pc.name] = entry
-        steps = [float(s["step"]) for s in self.adam.state.values() if "step" in s]
-        return {"step": steps[0] if steps else 0.0, "params": params,
+        return {"step": float(self.steps_made), "params": params,
                 "grad_scaler": self.loss_scaler.state_dict() if self.loss_scaler is not None else None}
 
     def load_state_dict(self, states):
@@ -225,26 +279,29 @@ class MixedPrecisionOptimizer:
         KeyError. The fp32 masters of a 16-bit run come from the saved masters, or else the parameters."""
         states = states if isinstance(states, list) else [states]
         step = states[0]["step"]
+        self.steps_made = int(step)
         for pc in self.pieces:
             saved = [s["params"][pc.name] for s in states if pc.name in s["params"]]
             if not saved:
                 raise KeyError(f"the checkpoint's optimizer has no state for {pc.name}")
             entry = {key: _cut(saved, key, pc.start, pc.end) for key in ("exp_avg", "exp_avg_sq", "master")
                      if all(key in e for e in saved)}
+            if "exp_avg" not in entry:  # saved before any step was made
+                self.steps_made = 0
             with torch.no_grad():
                 if "master" in entry:
                     pc.master.copy_(entry["master"])
                 else:
                     pc.master.copy_(pc.param.detach().reshape(-1)[pc.start:pc.end])
-            if "exp_avg" in entry and step > 0:
-                self.adam.state[pc.master] = {
-                    "step": torch.tensor(step, dtype=torch.float32, device=pc.master.device),
-                    "exp_avg": entry["exp_avg"].to(pc.master.device),
-                    "exp_avg_sq": entry["exp_avg_sq"].to(pc.master.device)}
-        with torch.no_grad():
-            for bucket, shard, low_precision in self._master_shards:
-                if low_precision:
-                    bucket.param_data[bucket.shard[0]:bucket.shard[1]].copy_(shard)
+                for key in ("exp_avg", "exp_avg_sq"):
+                    if key in entry:
+                        getattr(pc, key).copy_(entry[key])
+                    else:
+                        getattr(pc, key).zero_()
+        for pc in self.pieces:
+            self.adam.state[pc.master]["step"].fill_(self.steps_made)
+        for shard in self.shards:
+            shard.copy_back()
         for g in self.grads:
             g.gather_params()
         if self.loss_scaler is not None and states[0].get("grad_scaler") is not None:
@@ -283,4 +340,5 @@ def build_optimizer(model_chunks, cfg, state: ParallelState = None, shared_embed
                                    cfg.loss_scale_window, cfg.hysteresis)
     return MixedPrecisionOptimizer(grads, state, weight_decay=cfg.weight_decay,
                                    betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
-                                   clip_grad=cfg.clip_grad, loss_scaler=scaler, shared_embedding=shared_embedding)
+                                   clip_grad=cfg.clip_grad, loss_scaler=scaler, shared_embedding=shared_embedding,
+                                   kernel=None if cfg.adam_fusion else "torch")

@@ -136,6 +136,45 @@ def test_gradient_accumulation_fusion_equals_the_plain_main_grads(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
+def test_adamw_kernel_equals_pytorch_fused_adamw_and_the_copy_back(dtype):
+    """The optimizer's Triton kernel (minibert/kernels/adamw.py, the default on CUDA) against its plain twin,
+    PyTorch's fused AdamW then the copy back, over four steps of a small BertModel with clipping and (fp16) a
+    dynamic loss scale: the masters agree to fp32 rounding, and the 16-bit weights are the masters rounded
+    to nearest, bit for bit (the interpreter's bf16 rounding cannot check that on the CPU)."""
+    from minibert.config import Config, validate
+    from minibert.model import BertModel
+    from minibert.optim import build_optimizer
+    runs = []
+    for kernel in ("torch", "triton"):
+        cfg = validate(Config(num_layers=2, hidden_size=256, num_attention_heads=4, seq_length=128,
+                              max_position_embeddings=128, micro_batch_size=8, global_batch_size=8,
+                              train_iters=4, lr=1e-3, clip_grad=0.5, hidden_dropout=0.0, attention_dropout=0.0,
+                              initial_loss_scale=2.0 ** 12,  # fp16: a scale that does not overflow (no skipped step)
+                              bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16), device_type="cuda", warn=None)
+        torch.manual_seed(0)
+        model = BertModel(cfg).to(device="cuda", dtype=dtype)
+        optimizer = build_optimizer(model, cfg)
+        assert optimizer.kernel == "triton"  # the default on CUDA
+        optimizer.kernel = kernel
+        g = torch.Generator(device="cuda").manual_seed(3)
+        for _ in range(4):
+            optimizer.zero_grad()
+            text = torch.randint(0, cfg.padded_vocab_size, (8, 128), generator=g, device="cuda")
+            out = model(text, torch.zeros_like(text), padding_mask=torch.zeros_like(text, dtype=torch.bool))
+            optimizer.scale_loss(out.lm_logits.float().logsumexp(-1).mean() + out.binary_logits.float().sum()).backward()
+            assert optimizer.step().update_successful
+        for p, m in zip(model.parameters(), optimizer.master_params):
+            assert torch.equal(p, m.to(dtype))
+        runs.append(([m.clone() for m in optimizer.master_params], [pc.exp_avg_sq.clone() for pc in optimizer.pieces]))
+    # the two runs' 16-bit weights may differ by a rounding after the first step, so their gradients do
+    # too: the bounds are loose against that, and tight against a wrong divisor (clipping scales v by its
+    # square) or bias correction (each step's size); tests/test_adamw_kernel.py checks the math to 1e-6
+    assert len(runs[0][0]) == len(runs[1][0]) > 0
+    for (plain_m, plain_v), (ours_m, ours_v) in zip(zip(*runs[0]), zip(*runs[1])):
+        assert rel(ours_m, plain_m) < 1e-3 and rel(ours_v, plain_v) < 1e-2
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
 def test_packed_qkv_flash_equals_plain_flash(dtype):
     from minibert.kernels.flash_attention import flash_attention
     from minibert.kernels.flash_attention_packed import flash_attention_qkv
