@@ -32,9 +32,9 @@ parameter ends, and whether its parameter is decayed. So padding is never touche
 never decayed, and one launch serves a whole bucket of hundreds of parameters.
 
 Skipping a step. An fp16 overflow or a non-finite norm is known only on the device (`found_inf`, a 0-d
-tensor); every store is masked with it, so a skipped step changes nothing, without a host sync. The bias
-corrections need the step number t; the host knows it (it counts the steps that were made, from each
-step's one sync), so they arrive as two scalars computed in double precision, as PyTorch's kernel does.
+tensor); each program reads it and empties its range, so a skipped step stores nothing, without a host
+sync. The bias corrections need the step number t; the host knows it (it counts the steps that were
+made, from each step's one sync), so they arrive as two scalars the host computed in double precision.
 
 Runs on CUDA, or on CPU with TRITON_INTERPRET=1 (the tests: the same kernel source, interpreted)."""
 import math
@@ -48,8 +48,8 @@ from minibert.kernels import interpreting
 # Elements per program, and warps: 512 and 4 (4 elements a thread, one 16-byte load of each fp32 buffer).
 # `python bench/adamw_bench.py --sweep` on an H100 (2026-12-05 18:18 and 18:21 UTC, BERT-large's 336M
 # parameters, one update): 512 x 4 3.47 ms (2.90 TB/s, 97% of a copy's rate), 512 x 2 3.48, 1024 x 4 3.76,
-# 1024 x 2 4.03, 2048 x 4 4.13, 4096 x 8 4.22: more, smaller programs keep more loads in flight; 256 x 4,
-# 3.44, is 1% faster with twice the programs and tables.
+# 1024 x 2 4.03, 2048 x 4 4.13, 4096 x 8 4.22 (the reading: more, smaller programs keep more loads in
+# flight); 256 x 4, 3.44, is 1% faster with twice the programs and tables.
 BLOCK, WARPS = 512, 4
 
 
