@@ -62,7 +62,6 @@ class Shard:
     fp32 gradients), and Adam's two moments. `pieces`: its parameters' parts, in the bucket's order."""
 
     def __init__(self, bucket):
-        self.bucket = bucket
         self.lo, self.hi = bucket.shard
         self.low_precision = bucket.param_data.dtype != torch.float32
         values = bucket.param_data[self.lo:self.hi]
