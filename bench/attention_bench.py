@@ -106,7 +106,7 @@ BASE = (256, 12, 128, 64)  # BERT-base's attention at micro-batch 256: b, heads,
 @contextlib.contextmanager
 def two_kernel_backward():
     """A context in which flash_attention's backward runs the dq and dkdv kernels even where the short
-    one applies (pick_tiles without its short tile), to time the pair against it."""
+    one applies (the pick_tiles it imported, without its short tile), to time the pair against it."""
     import minibert.kernels.flash_attention as fa
     original = fa.pick_tiles
     fa.pick_tiles = lambda d, dtype, seq_len=0: original(d, dtype, seq_len)[:3] + (None,)
@@ -245,7 +245,8 @@ def run(head_dims=(32, 80, 128)):
 
 def sweep_short(dropout_p=0.0):
     """Time every short-backward tile at BERT-base's shape (no padding) next to the dq + dkdv pair."""
-    from minibert.kernels.flash_attention import TILE_CANDIDATES, attention_forward, pick_tiles
+    from minibert.kernels.flash_attention import attention_forward
+    from minibert.kernels.flash_tiles import TILE_CANDIDATES, pick_tiles
     from minibert.kernels.flash_attention_bwd import backward_into, launch_short
     if not torch.cuda.is_available():
         raise UsageError("bench/attention_bench.py --sweep-short needs a CUDA GPU")
@@ -276,8 +277,8 @@ def sweep_short(dropout_p=0.0):
 def sweep(head_dims=(64,), dropout_p=0.0, lengths="mixed"):
     """Time every candidate tile of each kernel alone (lengths U[256,512], or all 512 with lengths="none");
     print the best per kernel. With dropout_p > 0 every kernel draws the dropout mask (one seed)."""
-    from minibert.kernels.flash_attention import (TILE_CANDIDATES, attention_forward, head_dim_block, pick_tiles,
-                                                  prepare_padding)
+    from minibert.kernels.flash_attention import attention_forward, prepare_padding
+    from minibert.kernels.flash_tiles import TILE_CANDIDATES, head_dim_block, pick_tiles
     from minibert.kernels.flash_attention_bwd import launch_dkdv, launch_dq
     if not torch.cuda.is_available():
         raise UsageError("bench/attention_bench.py --sweep needs a CUDA GPU")
@@ -328,7 +329,7 @@ def sweep(head_dims=(64,), dropout_p=0.0, lengths="mixed"):
               + f"; the three kernels {total:.3f} ms = "
               f"{3.5 * forward_flops(B, H, S, d) / total / 1e9:.0f} TFLOP/s (FA convention, padding counted)")
         print(f"  -> put these first in TILE_CANDIDATES[{max(64, head_dim_block(d))}] in "
-              f"minibert/kernels/flash_attention.py")
+              f"minibert/kernels/flash_tiles.py")
 
 
 def print_table(rows):

@@ -88,14 +88,15 @@ def sass_stats(compiled):
 def run(kernels=("forward", "dq", "dkdv"), head_dim=64):
     from minibert.kernels import flash_attention as fa
     from minibert.kernels import flash_attention_bwd as fb
+    from minibert.kernels import flash_tiles
     functions = {"forward": fa._attention_forward_kernel, "dq": fb._attention_backward_dq_kernel,
                  "dkdv": fb._attention_backward_dkdv_kernel}
-    tiles = dict(zip(("forward", "dq", "dkdv"), fa.pick_tiles(head_dim, None)))
+    tiles = dict(zip(("forward", "dq", "dkdv"), flash_tiles.pick_tiles(head_dim, None)))
     rows = []
     for name in kernels:
         tile = tiles[name]
         for dropout in (False, True):
-            constants = dict(HEAD_DIM=head_dim, D_BLOCK=fa.head_dim_block(head_dim), BLOCK_M=tile.block_m,
+            constants = dict(HEAD_DIM=head_dim, D_BLOCK=flash_tiles.head_dim_block(head_dim), BLOCK_M=tile.block_m,
                              BLOCK_N=tile.block_n, HAS_PAD=True, DROPOUT=dropout, VARLEN=False,
                              SEED_IN_MEMORY=False)
             count, opcodes, registers, spilled = sass_stats(compile_for_sm90(functions[name], constants, tile))

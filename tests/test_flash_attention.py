@@ -12,10 +12,10 @@ import torch
 from minibert.errors import UsageError
 from minibert.kernels.dropout import (dropout_mask, dropout_threshold, effective_dropout_p,
                                       reference_keep_mask)
-from minibert.kernels.flash_attention import (FP32_TILES, INTERPRETER_TILES, MASKED, TILE_CANDIDATES, Tile,
-                                              attention_forward, attention_reference, flash_attention,
+from minibert.kernels.flash_attention import (MASKED, attention_forward, attention_reference, flash_attention,
                                               prepare_padding)
 from minibert.kernels.flash_attention_bwd import attention_backward
+from minibert.kernels.flash_tiles import FP32_TILES, INTERPRETER_TILES, TILE_CANDIDATES, Tile
 from tests.conftest import run_without_interpreter
 
 

@@ -13,8 +13,9 @@ gradient arrives in the Linear's own layout, no stack, no copy. Same kernels, sa
 import torch
 
 from minibert.kernels.dropout import kernel_seed
-from minibert.kernels.flash_attention import (LOG2_E, attention_forward, check_inputs, pick_tiles,  # noqa: F401
+from minibert.kernels.flash_attention import (LOG2_E, attention_forward, check_inputs,  # noqa: F401
                                               prepare_padding, softmax_scale)
+from minibert.kernels.flash_tiles import pick_tiles
 
 
 def _views(qkv):

@@ -31,8 +31,8 @@ import torch
 from minibert.errors import UsageError
 from minibert.kernels import interpreting
 from minibert.kernels.dropout import kernel_seed
-from minibert.kernels.flash_attention import (MAX_HEAD_DIM, SUPPORTED_DTYPES, Varlen, attention_forward, pick_tiles,
-                                              softmax_scale)
+from minibert.kernels.flash_attention import MAX_HEAD_DIM, SUPPORTED_DTYPES, Varlen, attention_forward, softmax_scale
+from minibert.kernels.flash_tiles import pick_tiles
 
 
 class FlashAttentionVarlen(torch.autograd.Function):

@@ -23,7 +23,7 @@ def rel(a, b):
 @pytest.mark.parametrize("s", [384, 512], ids=["s384", "s512 (the long forward tile)"])
 def test_flash_attention_against_fp32_reference(dtype, s):
     """Right padding, a hole in one row (a padded key before real ones) and a row with left padding: key
-    blocks with and without the bias, in the forward's tile for s (flash_attention.pick_tiles)."""
+    blocks with and without the bias, in the forward's tile for s (flash_tiles.pick_tiles)."""
     from minibert.kernels.flash_attention import attention_reference, flash_attention
     g = torch.Generator(device="cuda").manual_seed(0)
     b, h, d = 4, 8, 64
@@ -197,7 +197,8 @@ def test_short_backward_against_fp32_reference_and_the_two_kernels(dtype, dropou
     """s <= 128: the one-kernel backward on the GPU's tiles, in half precision, against fp32 attention
     (without dropout) and against the dq + dkdv pair (with it), padding with a hole included."""
     from minibert.kernels.dropout import dropout_mask, effective_dropout_p
-    from minibert.kernels.flash_attention import attention_forward, attention_reference, pick_tiles, prepare_padding
+    from minibert.kernels.flash_attention import attention_forward, attention_reference, prepare_padding
+    from minibert.kernels.flash_tiles import pick_tiles
     from minibert.kernels.flash_attention_bwd import attention_backward, short_block
     g = torch.Generator(device="cuda").manual_seed(5)
     b, h, s, d = 4, 12, 128, 64
