@@ -5,8 +5,8 @@ rows and step through the keys BLOCK_N at a time; the dkdv kernel owns BLOCK_N k
 queries. Those two numbers, with the warps per program and the pipeline stages of the loads, are a `Tile`.
 They do not change what a kernel computes (the tests run several and compare), only how fast it runs and
 whether its blocks fit in registers, so they are picked by timing: `python bench/attention_bench.py --sweep`
-times every candidate below on the GPU, and the first of each list is the winner of the last sweep. The
-numbers in the comments are those sweeps' (device, date and shape beside each).
+times every candidate below on the GPU, and the first of each list (the default) is the winner of the sweep
+its comment names, with the device, date and shape it ran at.
 
 The kernels live in flash_attention.py (forward) and flash_attention_bwd.py (backward); both call
 `pick_tiles` for the four tiles of one call: (forward, dq, dkdv, short).
@@ -32,8 +32,9 @@ class Tile(NamedTuple):
 
 # Candidates per head-dim block (16/32/64 use the 64 list) and kernel, for the GPU sweep
 # (bench/attention_bench.py --sweep); the FIRST of each list is the default. All compile for sm_90 with
-# triton 3.6 without register spills (ptxas -v); 128-wide heads need fewer rows per warp. With dropout the
-# d64 defaults spill 40 bytes (forward) and none (dq, dkdv), compiled for sm_90 with triton 3.6.
+# triton 3.6 without register spills (ptxas -v); 128-wide heads need fewer rows per warp. The d64 defaults
+# do not spill with dropout either (`python bench/sass_count.py`, triton 3.6, sm_90, 2026-12-05: 255
+# registers in the forward and dkdv kernels, 127 in dq).
 TILE_CANDIDATES = {
     # d <= 64: the first of each list won `bench/attention_bench.py --sweep` on an H200 (2026-11-30, triton
     # 3.6, b32 h16 s512 d64 bf16, key lengths U[256, 512], CUDA-graph timing): forward 104 us, dq 112 us,
