@@ -16,7 +16,8 @@ DTYPES = [torch.bfloat16, torch.float16]
 
 
 def rel(a, b):
-    return float((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-30))
+    a, b = a.detach().float(), b.detach().float()
+    return float((a - b).norm() / b.norm().clamp(min=1e-30))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
