@@ -22,7 +22,8 @@ multi-tensor kernel, then one copy per bucket. Bytes per parameter, fp32 unless 
 
 BERT-large has 336M parameters: 12.8 GB a step against 10.1 GB. Measured on an H100 (bench/adamw_bench.py,
 2026-12-05): 4.95 against 3.48 ms, the kernel at 2.90 TB/s, 97% of a device copy's rate; in whole graphed
-training steps 1.2% (BERT-large) and 1.9% (BERT-base) faster (chapter 8, section 4.25).
+training steps 1.2% (BERT-large) and 1.9% (BERT-base) faster (chapter 8, section 4.25). On an H200 (make
+bench, 2026-12-05 21:49 UTC, BENCHMARKS.md): 3.77 against 2.50 ms, 4.04 TB/s, 96% of a copy's rate.
 
 How the work is cut. The optimizer's state lies in flat buffers, one per bucket shard (the part of a
 gradient bucket this rank updates; minibert/parallel/data_parallel.py), each holding many parameters

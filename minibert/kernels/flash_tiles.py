@@ -8,8 +8,9 @@ whether its blocks fit in registers, so they are picked by timing: `python bench
 times every candidate below on the GPU, and the first of each list (the default) is the winner of the sweep
 its comment names, with the device, date and shape it ran at.
 
-The kernels live in flash_attention.py (forward) and flash_attention_bwd.py (backward); both call
-`pick_tiles` for the four tiles of one call: (forward, dq, dkdv, short).
+The kernels live in flash_attention.py (forward) and flash_attention_bwd.py (backward); the autograd
+Functions that launch them (flash_attention.py, flash_attention_packed.py, flash_attention_varlen.py)
+call `pick_tiles` once per call for its four tiles: (forward, dq, dkdv, short).
 """
 import functools
 from typing import NamedTuple
