@@ -29,6 +29,8 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+from minibert.kernels.flash_tiles import register_cap  # noqa: E402
+
 FLOAT_ARGS = {"qk_scale", "sm_scale", "out_scale", "keep_scale"}
 FLOAT_POINTERS = {"LSE", "DELTA", "BIAS"}
 COUNTED = ("IMAD", "LOP3", "SHF", "STS", "LDS", "STL", "LDL")
@@ -59,7 +61,8 @@ def compile_for_sm90(kernel, constants, tile):
     sig, hints = signature(kernel, constants)
     source = ASTSource(fn=kernel, signature=sig, constexprs=constants, attrs=hints)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=tile.num_warps, num_stages=tile.num_stages))
+                          options=dict(num_warps=tile.num_warps, num_stages=tile.num_stages,
+                                       **register_cap(tile)))
 
 
 def sass_stats(compiled):

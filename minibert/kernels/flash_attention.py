@@ -73,7 +73,7 @@ from minibert.errors import UsageError
 from minibert.kernels import interpreting
 from minibert.kernels.dropout import (_dropout_keep, _dropout_keys, check_counter_range, dropout_threshold,
                                       effective_dropout_p, kernel_seed, seed_in_memory)
-from minibert.kernels.flash_tiles import head_dim_block, pick_tiles
+from minibert.kernels.flash_tiles import head_dim_block, pick_tiles, register_cap
 
 LOG2_E = math.log2(math.e)  # exp(x) = exp2(x * LOG2_E): the scale absorbs it
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -356,7 +356,8 @@ def attention_forward(q, k, v, bias, kv_len, scale, dropout_p, seed, tile, out=N
         1.0 / (1.0 - effective_dropout_p(dropout_p)),
         HEAD_DIM=d, D_BLOCK=head_dim_block(d), BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
         HAS_PAD=bias is not None, DROPOUT=dropout_p > 0, VARLEN=varlen is not None,
-        SEED_IN_MEMORY=seed_in_memory(seed), num_warps=tile.num_warps, num_stages=tile.num_stages)
+        SEED_IN_MEMORY=seed_in_memory(seed), num_warps=tile.num_warps, num_stages=tile.num_stages,
+        **register_cap(tile))
     return out, lse
 
 

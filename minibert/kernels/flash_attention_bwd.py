@@ -37,7 +37,7 @@ import triton.language as tl
 from minibert.kernels.dropout import _dropout_keep, _dropout_keys, dropout_threshold, effective_dropout_p, seed_in_memory
 from minibert.kernels.flash_attention import (LOG2_E, _clean_length, _head_rows, _key_bias, _program_block, _row_end,
                                               grid_layout, strides)
-from minibert.kernels.flash_tiles import head_dim_block
+from minibert.kernels.flash_tiles import head_dim_block, register_cap
 
 
 @triton.jit(do_not_specialize=["seed"])
@@ -244,7 +244,8 @@ def _launch(kernel, grid, tensors, stats, bias, kv_len, scale, dropout_p, seed, 
         1.0 / (1.0 - effective_dropout_p(dropout_p)),
         HEAD_DIM=d, D_BLOCK=head_dim_block(d), BLOCK_M=tile.block_m, BLOCK_N=block_n,
         HAS_PAD=bias is not None, DROPOUT=dropout_p > 0, VARLEN=varlen is not None,
-        SEED_IN_MEMORY=seed_in_memory(seed), num_warps=tile.num_warps, num_stages=tile.num_stages)
+        SEED_IN_MEMORY=seed_in_memory(seed), num_warps=tile.num_warps, num_stages=tile.num_stages,
+        **register_cap(tile))
 
 
 def launch_dq(grad_out, q, k, v, out, lse, delta, dq, bias, kv_len, scale, dropout_p, seed, tile, varlen=None):

@@ -13,7 +13,7 @@ Functions that launch them (flash_attention.py, flash_attention_packed.py, flash
 call `pick_tiles` once per call for its four tiles: (forward, dq, dkdv, short).
 """
 import functools
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import torch
 import triton
@@ -24,11 +24,13 @@ from minibert.kernels import interpreting
 class Tile(NamedTuple):
     """block_m query rows x block_n keys per step. The forward and dq kernels own block_m rows and loop
     over keys; the dk/dv kernel owns block_n keys and loops over queries; the short backward (sequences
-    of at most block_n keys) holds them all and loops over queries. Warps and stages go to Triton."""
+    of at most block_n keys) holds them all and loops over queries. Warps and stages go to Triton, and
+    so does maxnreg where a tile sets it: a cap on the registers of each thread (None: ptxas chooses)."""
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
+    maxnreg: Optional[int] = None
 
 
 # Candidates per head-dim block (16/32/64 use the 64 list) and kernel, for the GPU sweep
@@ -65,7 +67,13 @@ TILE_CANDIDATES = {
 # a 128-row block wastes more rows past a sample's end. On an H100 (2026-12-05, triton 3.6, b32 h16 s512
 # d64 bf16, every key real, the varlen layout of training): 106.2 against 123.5 us, 149.6 against 161.3 us
 # with dropout 0.1 (bench/attention_one_kernel_h100.txt).
-LONG_FORWARD = {64: Tile(128, 64, 8, 3)}
+# Its register cap: two programs of 256 threads fit a multiprocessor's 65,536 registers at 128 per thread.
+# Every variant of this kernel compiles to 122-128 without a cap but one, the padded layout with dropout
+# and no mask, which took 173-175 and so ran one program per multiprocessor: 175.2 us against 150.8 with
+# the cap on an H200 (bench/fwd_pad_check_h200.txt), 174.5-175.9 against 151.1-159.6 on an H100, where
+# the other variants' times moved within the run's noise and every output was the same bit for bit
+# (2026-12-05 23:56 UTC, bench/fwd_cap_h100.txt).
+LONG_FORWARD = {64: Tile(128, 64, 8, 3, maxnreg=128)}
 LONG_SEQUENCE = 512
 # fp32 tiles are twice the bytes; no short backward (its dK, dV and K, V blocks would not fit)
 FP32_TILES = (Tile(64, 32, 4, 2), Tile(64, 32, 8, 2), Tile(32, 32, 4, 2), None)
@@ -73,6 +81,11 @@ FP32_TILES = (Tile(64, 32, 4, 2), Tile(64, 32, 8, 2), Tile(32, 32, 4, 2), None)
 # kernel so the tests cross every kernel's block boundaries differently; sequences up to 64 take the
 # short backward, longer ones the dq and dkdv kernels, so the tests' shapes run both.
 INTERPRETER_TILES = (Tile(32, 16, 1, 1), Tile(16, 32, 1, 1), Tile(16, 32, 1, 1), Tile(16, 64, 1, 1))
+
+
+def register_cap(tile):
+    """The launch options a tile's maxnreg becomes: {"maxnreg": n}, or none (ptxas chooses)."""
+    return {} if tile.maxnreg is None else {"maxnreg": tile.maxnreg}
 
 
 def head_dim_block(d):
