@@ -16,6 +16,9 @@ torch.cuda.synchronize() calls. Each contender gets a fresh model and a fresh pe
                  pass over the timed batches, before the warm-up, a one-time cost like compiling (GPU only)
     minibert, CUDA graphs, --sparse-mlm   the same with the LM head on the masked positions only (sections
                  1 and 3): the same loss, less work than its peers compute, so its ratios say so
+    minibert, compiled layers (and the same with CUDA graphs)   --compile-layers: each transformer layer
+                 through torch.compile (sections 1 and 3, GPU only); run only when --contenders names them
+                 (their compile adds a minute per section to make bench, and they measured slower)
 
 Sections (--sections picks them):
     1  BERT-large s512 b32, full-length batches: every position real, cut from the default corpus's token
@@ -198,6 +201,8 @@ CONTENDERS = {  # name -> (build(cfg, batches, device) -> step, config overrides
                                                                "bias_gelu_fusion": True, "layernorm_fusion": True}),
     "minibert packed, CUDA graphs": (minibert_stepper, {"cuda_graph_impl": "local"}),
     SPARSE: (minibert_stepper, {"cuda_graph_impl": "local", "sparse_mlm": True}),
+    "minibert, compiled layers": (minibert_stepper, {"compile_layers": True}),
+    "minibert, compiled layers, CUDA graphs": (minibert_stepper, {"compile_layers": True, "cuda_graph_impl": "local"}),
     "HF eager": (hf_stepper, {}),
     "HF compiled": (lambda cfg, batches, device: hf_stepper(cfg, batches, device, compiled=True), {}),
 }
@@ -259,7 +264,11 @@ def measure(contender, cfg, batches, settings) -> Measurement:
                        sum(f for f, _ in counts), peak, loss)
 
 
+OPT_IN = ("minibert, compiled layers", "minibert, compiled layers, CUDA graphs")  # only when named
+
+
 def contenders_for(names, settings):
+    names = [n for n in names if n not in OPT_IN or n in (settings.only or ())]
     if settings.only is not None:
         names = [n for n in names if n in settings.only]
     if settings.device.type == "cpu":
@@ -322,8 +331,8 @@ def full_length_section(name, settings, full=True):
     prefix, _ = corpus_prefix("default", settings)
     batches = stream_batches(prefix, batches_needed(cfg, settings), micro, seq, settings.device)
     results, rows = {}, []
-    for contender in contenders_for(["minibert", "minibert, CUDA graphs", SPARSE, "HF eager", "HF compiled"],
-                                    settings):
+    for contender in contenders_for(["minibert", "minibert, CUDA graphs", SPARSE, "minibert, compiled layers",
+                                     "minibert, compiled layers, CUDA graphs", "HF eager", "HF compiled"], settings):
         result, failed = attempt("CUDA graphs" in contender, f"{label}: {contender}",
                                  lambda: measure(contender, cfg, batches, settings))
         rows += failed

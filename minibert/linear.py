@@ -79,9 +79,10 @@ class LinearFunction(torch.autograd.Function):
 
 
 def written_out_backward(x, weight) -> bool:
-    """Where `linear` uses LinearFunction: CUDA tensors in fp16/bf16, one dtype, autocast off."""
+    """Where `linear` uses LinearFunction: CUDA tensors in fp16/bf16, one dtype, autocast off, outside
+    torch.compile (a compiled layer, --compile-layers, leaves the bias gradient to Inductor)."""
     return (x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and weight.dtype == x.dtype
-            and not torch.is_autocast_enabled("cuda"))
+            and not torch.is_autocast_enabled("cuda") and not torch.compiler.is_compiling())
 
 
 def linear(x, weight, bias=None, fuse_weight_grad=True):

@@ -56,8 +56,9 @@ FUSED_LAYER_NORM_MIN_ELEMENTS = 1 << 22
 
 def fused_kernels_apply(x) -> bool:
     """Where the fused Triton kernels (cross entropy; dropout + add + LayerNorm) replace their plain
-    twins: CUDA tensors in fp16/bf16. The CPU always runs the plain ops."""
-    return x.is_cuda and x.dtype in (torch.float16, torch.bfloat16)
+    twins: CUDA tensors in fp16/bf16, outside torch.compile. The CPU always runs the plain ops, and so
+    does a compiled layer (--compile-layers): there Inductor fuses the plain ops itself."""
+    return x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and not torch.compiler.is_compiling()
 
 
 class LayerNorm(nn.LayerNorm):
@@ -135,14 +136,18 @@ class SelfAttention(nn.Module):
 
     def forward(self, x, padding_mask, backend, packing=None):
         qkv = self.query_key_value(x)  # [b, s, 3 * local heads * d] (sequence parallel: x had s / TP); packed: [n, ...]
+        return self.dense(self.attend(qkv, padding_mask, backend, packing))
+
+    @torch.compiler.disable  # --compile-layers compiles around it: kernels, RNG swap and recompute run as they are
+    def attend(self, qkv, padding_mask, backend, packing=None):
+        """core() under this layer's random generator, recomputed in the backward where selective
+        recompute is on."""
         dropout_p = self.dropout if self.training else 0.0
         with self.rng_context():
             if self.recompute_core and torch.is_grad_enabled():
                 # checkpoint() stores the RNG state, so the recomputed dropout drops the same entries
-                out = checkpoint(self.core, qkv, padding_mask, backend, dropout_p, packing, use_reentrant=False)
-            else:
-                out = self.core(qkv, padding_mask, backend, dropout_p, packing)
-        return self.dense(out)
+                return checkpoint(self.core, qkv, padding_mask, backend, dropout_p, packing, use_reentrant=False)
+            return self.core(qkv, padding_mask, backend, dropout_p, packing)
 
     def core(self, qkv, padding_mask, backend, dropout_p, packing=None):
         """softmax(q k^T / sqrt(d)) v for every head: qkv [b, s, 3hd] -> [b, s, hd], or packed [n, 3hd] -> [n, hd].
@@ -365,6 +370,13 @@ class BertModel(nn.Module):
         self.to_layers, self.from_layers = nn.Identity(), nn.Identity()
         if init:
             init_parameters(self, config.seed)
+
+    def compile_layers(self):
+        """--compile-layers: torch.compile each transformer layer (compiled on its first call; layers of one
+        shape share their graphs). Inside the graphs the plain ops run and Inductor writes fused kernels for
+        them; SelfAttention.attend, the attention kernels, stays outside (chapter 8, section 5)."""
+        for layer in self.layers.values():
+            layer.compile()
 
     def attention_backend(self, device) -> str:
         """config.attention_backend resolved for this device and compute dtype (autocast's if it is on)."""

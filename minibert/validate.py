@@ -78,6 +78,9 @@ def validate(cfg: Config, world_size: int = 1, device_type: str = "cpu", warn=_w
                          "(e.g. 10, or 0.1 for 6 seconds)")
     if cfg.ddp_bucket_size is not None and cfg.ddp_bucket_size <= 0:
         raise UsageError(f"--ddp-bucket-size {cfg.ddp_bucket_size} must be positive (gradient elements)")
+    if cfg.compile_layers and cfg.tensor_model_parallel_size > 1:
+        raise UsageError("--compile-layers compiles one rank's whole layers; tensor-parallel layers communicate "
+                         "inside them: use it with --tensor-model-parallel-size 1")
     _validate_for_device(cfg, device_type, warn)
     _validate_cuda_graph(cfg, device_type, warn)
     from minibert.tokenizer import build_tokenizer  # the vocab's size sizes the embedding
