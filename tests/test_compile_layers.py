@@ -27,8 +27,10 @@ def config(**flags):
     return validate(cfg, 1, "cpu", warn=None)
 
 
-def loss_and_grads(cfg, calls=2):
+def loss_and_grads(cfg, calls=2, keys=None):
     model = build_model_and_optimizer(cfg, torch.device("cpu"))[0].train()
+    if keys is not None:
+        keys.extend(model.state_dict())
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(5, cfg.vocab_size, (2, SEQ), generator=g)
     padding = torch.arange(SEQ)[None, :] >= torch.tensor([SEQ, 11])[:, None]
@@ -44,10 +46,12 @@ def loss_and_grads(cfg, calls=2):
 
 
 def test_compiled_layers_give_the_eager_loss_and_gradients_and_share_their_graphs():
-    eager_loss, eager_grads = loss_and_grads(config())
+    eager_keys, keys = [], []
+    eager_loss, eager_grads = loss_and_grads(config(), keys=eager_keys)
     torch._dynamo.reset()
     counters.clear()
-    loss, grads = loss_and_grads(config(compile_layers=True))
+    loss, grads = loss_and_grads(config(compile_layers=True), keys=keys)
+    assert keys == eager_keys  # layer.compile() keeps the names: checkpoints load either way
     torch.testing.assert_close(loss, eager_loss, rtol=1e-5, atol=1e-6)
     assert grads.keys() == eager_grads.keys()
     for name in grads:
@@ -59,6 +63,20 @@ def test_compiled_layers_give_the_eager_loss_and_gradients_and_share_their_graph
     # one pair of graphs (before / after the attention) for the first layer, which runs its own LN1, and
     # one for the others, which take theirs from the previous layer's closing add: not a pair per layer
     assert counters["stats"]["unique_graphs"] <= 4 < 2 * LAYERS
+
+
+def test_compiled_layers_under_full_recompute_give_the_eager_loss_and_gradients():
+    """Full recompute reruns each layer's forward in the backward (checkpoint): the compiled graphs run
+    again there, and the gradients must not change."""
+    flags = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    eager_loss, eager_grads = loss_and_grads(config(**flags), calls=1)
+    torch._dynamo.reset()
+    counters.clear()
+    loss, grads = loss_and_grads(config(compile_layers=True, **flags), calls=1)
+    assert counters["stats"]["unique_graphs"] > 0  # the layers did run compiled
+    torch.testing.assert_close(loss, eager_loss, rtol=1e-5, atol=1e-6)
+    for name in grads:
+        torch.testing.assert_close(grads[name], eager_grads[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
 def test_tensor_parallel_layers_are_refused_with_the_fix():
