@@ -18,6 +18,7 @@ if __package__ in (None, ""):
 
 import torch  # noqa: E402
 
+from bench.kernel_table import kernel_ms  # noqa: E402
 from minibert.build import build_model_and_optimizer  # noqa: E402
 from minibert.config import Config  # noqa: E402
 from minibert.validate import validate  # noqa: E402
@@ -97,15 +98,10 @@ def main():
             for _ in range(2):
                 step(model, x, mask, grad)
             torch.cuda.synchronize()
-        kernels = {}
-        for event in prof.events():
-            if event.device_type == torch.autograd.DeviceType.CUDA:
-                entry = kernels.setdefault(event.name, [0.0, 0])
-                entry[0] += event.time_range.elapsed_us() / (2e3 * args.layers)
-                entry[1] += 1
+        kernels = kernel_ms(prof, per=2 * args.layers)
         print(f"kernels: {sum(ms for ms, _ in kernels.values()):.3f} ms per layer")
         for name, (ms, count) in sorted(kernels.items(), key=lambda kv: -kv[1][0])[:25]:
-            print(f"  {ms:7.3f} ms {count / (2 * args.layers):5.1f}x  {name[:200]}")
+            print(f"  {ms:7.3f} ms {count:5.1f}x  {name[:200]}")
     except Exception:
         traceback.print_exc()
         sys.exit(1)

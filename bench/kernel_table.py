@@ -20,6 +20,17 @@ SMALL_OPS = ("aten::fill_", "aten::zero_", "aten::ones", "aten::new_ones", "aten
              "aten::mul_", "aten::add_")
 
 
+def kernel_ms(prof, per):
+    """{kernel name: [ms, launches]} of a profile's GPU kernels, both divided by `per` (steps, layers)."""
+    kernels = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            entry = kernels.setdefault(event.name, [0.0, 0])
+            entry[0] += event.time_range.elapsed_us() / (1e3 * per)
+            entry[1] += 1 / per
+    return kernels
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--work-dir", required=True, help="where the corpus is prepared")
@@ -40,15 +51,10 @@ def main():
         for _ in range(2):
             step()
         torch.cuda.synchronize()
-    kernels = {}
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            entry = kernels.setdefault(event.name, [0.0, 0])
-            entry[0] += event.time_range.elapsed_us() / 2e3
-            entry[1] += 1
+    kernels = kernel_ms(prof, per=2)
     print(f"all kernels: {sum(ms for ms, _ in kernels.values()):.2f} ms per step")
     for name, (ms, count) in sorted(kernels.items(), key=lambda kv: -kv[1][0])[:45]:
-        print(f"{ms:7.3f} ms {count // 2:5d}x  {name[:260]}")
+        print(f"{ms:7.3f} ms {round(count):5d}x  {name[:260]}")
     averages = prof.key_averages(group_by_input_shape=True)
     print(averages.table(sort_by="self_cuda_time_total", row_limit=30, max_name_column_width=40,
                          max_shapes_column_width=80))

@@ -192,6 +192,8 @@ def hf_stepper(cfg, batches, device, compiled=False):
 SPARSE = "minibert, CUDA graphs, --sparse-mlm"  # the LM head on the masked positions only: not equal work
 SPARSE_NOTE = ("not equal work: the LM head computes the masked positions only (the same loss and gradients), "
                "HF all of them")
+COMPILED, COMPILED_GRAPHS = "minibert, compiled layers", "minibert, compiled layers, CUDA graphs"
+OPT_IN = (COMPILED, COMPILED_GRAPHS)  # run only when --contenders names them
 CONTENDERS = {  # name -> (build(cfg, batches, device) -> step, config overrides)
     "minibert": (minibert_stepper, {}),
     "minibert packed": (minibert_stepper, {}),
@@ -201,8 +203,8 @@ CONTENDERS = {  # name -> (build(cfg, batches, device) -> step, config overrides
                                                                "bias_gelu_fusion": True, "layernorm_fusion": True}),
     "minibert packed, CUDA graphs": (minibert_stepper, {"cuda_graph_impl": "local"}),
     SPARSE: (minibert_stepper, {"cuda_graph_impl": "local", "sparse_mlm": True}),
-    "minibert, compiled layers": (minibert_stepper, {"compile_layers": True}),
-    "minibert, compiled layers, CUDA graphs": (minibert_stepper, {"compile_layers": True, "cuda_graph_impl": "local"}),
+    COMPILED: (minibert_stepper, {"compile_layers": True}),
+    COMPILED_GRAPHS: (minibert_stepper, {"compile_layers": True, "cuda_graph_impl": "local"}),
     "HF eager": (hf_stepper, {}),
     "HF compiled": (lambda cfg, batches, device: hf_stepper(cfg, batches, device, compiled=True), {}),
 }
@@ -262,9 +264,6 @@ def measure(contender, cfg, batches, settings) -> Measurement:
         torch.compiler.reset()  # drop the compiled graphs (and the model they hold)
     return Measurement(seconds, settings.steps, sum(len(b["text"]) for b in timed), sum(t for _, t in counts),
                        sum(f for f, _ in counts), peak, loss)
-
-
-OPT_IN = ("minibert, compiled layers", "minibert, compiled layers, CUDA graphs")  # only when named
 
 
 def contenders_for(names, settings):
@@ -331,8 +330,8 @@ def full_length_section(name, settings, full=True):
     prefix, _ = corpus_prefix("default", settings)
     batches = stream_batches(prefix, batches_needed(cfg, settings), micro, seq, settings.device)
     results, rows = {}, []
-    for contender in contenders_for(["minibert", "minibert, CUDA graphs", SPARSE, "minibert, compiled layers",
-                                     "minibert, compiled layers, CUDA graphs", "HF eager", "HF compiled"], settings):
+    for contender in contenders_for(["minibert", "minibert, CUDA graphs", SPARSE, *OPT_IN, "HF eager",
+                                     "HF compiled"], settings):
         result, failed = attempt("CUDA graphs" in contender, f"{label}: {contender}",
                                  lambda: measure(contender, cfg, batches, settings))
         rows += failed

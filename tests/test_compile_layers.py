@@ -27,10 +27,9 @@ def config(**flags):
     return validate(cfg, 1, "cpu", warn=None)
 
 
-def loss_and_grads(cfg, calls=2, keys=None):
+def loss_and_grads(cfg, calls=2):
+    """-> (loss, {name: gradient}, the state dict's names) after `calls` forward + backward passes."""
     model = build_model_and_optimizer(cfg, torch.device("cpu"))[0].train()
-    if keys is not None:
-        keys.extend(model.state_dict())
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(5, cfg.vocab_size, (2, SEQ), generator=g)
     padding = torch.arange(SEQ)[None, :] >= torch.tensor([SEQ, 11])[:, None]
@@ -42,15 +41,14 @@ def loss_and_grads(cfg, calls=2, keys=None):
         loss = pretraining_loss(out, labels, loss_mask, torch.tensor([0, 1]),
                                 cross_entropy=model.lm_cross_entropy)[0]
         loss.backward()
-    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}, list(model.state_dict())
 
 
 def test_compiled_layers_give_the_eager_loss_and_gradients_and_share_their_graphs():
-    eager_keys, keys = [], []
-    eager_loss, eager_grads = loss_and_grads(config(), keys=eager_keys)
+    eager_loss, eager_grads, eager_keys = loss_and_grads(config())
     torch._dynamo.reset()
     counters.clear()
-    loss, grads = loss_and_grads(config(compile_layers=True), keys=keys)
+    loss, grads, keys = loss_and_grads(config(compile_layers=True))
     assert keys == eager_keys  # layer.compile() keeps the names: checkpoints load either way
     torch.testing.assert_close(loss, eager_loss, rtol=1e-5, atol=1e-6)
     assert grads.keys() == eager_grads.keys()
@@ -69,10 +67,10 @@ def test_compiled_layers_under_full_recompute_give_the_eager_loss_and_gradients(
     """Full recompute reruns each layer's forward in the backward (checkpoint): the compiled graphs run
     again there, and the gradients must not change."""
     flags = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
-    eager_loss, eager_grads = loss_and_grads(config(**flags), calls=1)
+    eager_loss, eager_grads, _ = loss_and_grads(config(**flags), calls=1)
     torch._dynamo.reset()
     counters.clear()
-    loss, grads = loss_and_grads(config(compile_layers=True, **flags), calls=1)
+    loss, grads, _ = loss_and_grads(config(compile_layers=True, **flags), calls=1)
     assert counters["stats"]["unique_graphs"] > 0  # the layers did run compiled
     torch.testing.assert_close(loss, eager_loss, rtol=1e-5, atol=1e-6)
     for name in grads:
