@@ -12,7 +12,10 @@ Cases: "large" (BERT-large s512 b32, full length) and "base" (BERT-base s128 b25
 for minibert, minibert with the three levers that are off by default (--gradient-accumulation-fusion,
 --bias-gelu-fusion, --layernorm-fusion), minibert with CUDA graphs, HF
 eager and HF compiled; and "default" (BERT-large s512 b32 on
-Megatron's samples of the default corpus: minibert packed, and with CUDA graphs). A graphed contender
+Megatron's samples of the default corpus: minibert packed, and with CUDA graphs); and, only when named
+(--only accumulation), minibert packed on the default corpus and on full-length batches with 1 and with 8
+micro-batches per optimizer step, every kernel's time divided by the micro-batches per step
+(bench/notes-accumulation.md). A graphed contender
 gives its wall clock only, which shows the host's share next to the eager one's; the profiler's view of
 a graph replay is left out. The
 categories come from kernel names (a heuristic that a new library version may need extending: the
@@ -83,6 +86,29 @@ def profile(contender, cfg, batches, warmup=3, timed=4, profiled=2):
     return wall, dict(kernels)
 
 
+def accumulation_tables(settings, prefix, per_steps=(1, 8)):
+    """minibert packed (eager) on the default corpus's samples and on full-length batches, BERT-large s512 b32,
+    with each count of micro-batches per optimizer step: kernel times per micro-batch, so that the optimizer's
+    share (once per step) and the main-grad fold's (after every micro-batch but the first) can be compared."""
+    _, _, _, seq, micro = train_bench.shape("large", settings)
+    lines = []
+    for case in ("default", "full"):
+        for per_step in per_steps:
+            cfg = train_bench.minibert_config("large", settings, global_batch_size=micro * per_step)
+            count = 9 * per_step  # profile()'s 3 warm-up + 4 timed + 2 profiled steps
+            batches = (megatron_batches(prefix, count, cfg, settings.device) if case == "default"
+                       else stream_batches(prefix, count, micro, seq, settings.device))
+            profiled = batches[7 * per_step:]  # the last 2 steps' micro-batches
+            real = sum(int((b["padding_mask"] == 1).sum()) for b in profiled) / len(profiled)
+            wall, kernels = profile("minibert packed", cfg, batches)
+            per_micro_batch = {name: ms / per_step for name, ms in kernels.items()}
+            title = (f"{case}: x{per_step}, ms per MICRO-BATCH (wall {wall / per_step:.1f} ms per micro-batch; "
+                     f"{real:.0f} real tokens per profiled micro-batch)")
+            lines += tables(title, {f"x{per_step}": (wall / per_step, per_micro_batch)})
+            torch.cuda.empty_cache()
+    return lines
+
+
 def tables(title, results):
     """Markdown: the categories per contender (ms per step), then each contender's top kernels."""
     names = list(results)
@@ -111,7 +137,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--work-dir", required=True, help="where the corpora are prepared")
     parser.add_argument("--output", required=True, help="the markdown file to write")
-    parser.add_argument("--only", choices=["large", "base", "default"], help="run one case")
+    parser.add_argument("--only", choices=["large", "base", "default", "accumulation"],
+                        help="run one case (accumulation runs only when named)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("error: profile_steps.py profiles GPU kernels; run it on a machine with a CUDA GPU")
@@ -137,6 +164,8 @@ def main():
         batches = megatron_batches(prefix, 9, cfg, settings.device)
         results = {c: profile(c, cfg, batches) for c in ("minibert packed", "minibert packed, CUDA graphs")}
         lines += tables("BERT-large s512 b32, Megatron samples of the default corpus, bf16", results)
+    if args.only == "accumulation":
+        lines += accumulation_tables(settings, prefix)
     text = "\n".join(lines) + "\n"
     atomic_write(args.output, lambda f: f.write(text), text=True, make_dirs=True)
     print(text)

@@ -16,6 +16,8 @@ torch.cuda.synchronize() calls. Each contender gets a fresh model and a fresh pe
                  pass over the timed batches, before the warm-up, a one-time cost like compiling (GPU only)
     minibert, CUDA graphs, --sparse-mlm   the same with the LM head on the masked positions only (sections
                  1 and 3): the same loss, less work than its peers compute, so its ratios say so
+    minibert (packed), CUDA graphs, --gradient-accumulation-fusion   the weight gradients summed into the
+                 fp32 main gradients by the matmuls themselves (section 2's accumulated rows, GPU only)
     minibert, compiled layers (and the same with CUDA graphs)   --compile-layers: each transformer layer
                  through torch.compile (sections 1 and 3, GPU only); run only when --contenders names them
                  (their compile adds a minute per section to make bench, and they measured slower)
@@ -27,7 +29,11 @@ Sections (--sections picks them):
     2  BERT-large s512 b32 on padded batches: Megatron's samples (minibert.masked_lm) from the long-document
        corpus and from the default corpus, and synthetic lengths U[128, 512] (padding after the length);
        minibert packed (the default), minibert padded (--no-pack-tokens), minibert packed with CUDA graphs,
-       HF eager with the attention mask
+       HF eager with the attention mask; then the default corpus again, minibert packed only, at the
+       micro-batch that holds the full-length run's real tokens, and at micro-batch 32 with ACCUMULATION
+       micro-batches per optimizer step against the full-length run with the same accumulation (with
+       graphs, also with --gradient-accumulation-fusion). --contenders picks the padded contenders; their
+       full-length references are measured as needed
     3  BERT-base s128 b256, full-length batches (as section 1)
     4  make train-small's model (4 layers, 128 hidden, 8 heads, s128, micro 4, global 16) on Megatron
        samples of the default corpus: ms per train_step, fp32 and bf16, eager and, on a GPU, with
@@ -56,7 +62,7 @@ import shutil
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -79,6 +85,7 @@ SHAPES = {"large": ((24, 1024, 16, 512, 32), (2, 64, 4, 64, 4)),
           "base": ((12, 768, 12, 128, 256), (2, 48, 4, 32, 8)),
           "small": ((4, 128, 8, 128, 4), (4, 128, 8, 128, 4))}
 SMALL_GLOBAL_BATCH = 16  # make train-small's --global-batch-size (4 micro-batches per step)
+ACCUMULATION = 8  # section 2's last rows: micro-batches per optimizer step (BERT-large: global batch 256)
 TITLES = {1: "BERT-large s512 b32, full-length batches", 2: "BERT-large s512 b32, padded batches",
           3: "BERT-base s128 b256, full-length batches", 4: "make train-small's model, ms per iteration",
           5: "the fused kernels, each turned off"}
@@ -194,6 +201,9 @@ SPARSE_NOTE = ("not equal work: the LM head computes the masked positions only (
                "HF all of them")
 COMPILED, COMPILED_GRAPHS = "minibert, compiled layers", "minibert, compiled layers, CUDA graphs"
 OPT_IN = (COMPILED, COMPILED_GRAPHS)  # run only when --contenders names them
+# section 2's accumulated rows: the weight gradients summed into the fp32 main gradients by the matmul
+GRAPHS_GAF = "minibert, CUDA graphs, --gradient-accumulation-fusion"
+PACKED_GRAPHS_GAF = "minibert packed, CUDA graphs, --gradient-accumulation-fusion"
 CONTENDERS = {  # name -> (build(cfg, batches, device) -> step, config overrides)
     "minibert": (minibert_stepper, {}),
     "minibert packed": (minibert_stepper, {}),
@@ -202,6 +212,8 @@ CONTENDERS = {  # name -> (build(cfg, batches, device) -> step, config overrides
     "minibert, levers off by default on": (minibert_stepper, {"gradient_accumulation_fusion": True,
                                                                "bias_gelu_fusion": True, "layernorm_fusion": True}),
     "minibert packed, CUDA graphs": (minibert_stepper, {"cuda_graph_impl": "local"}),
+    GRAPHS_GAF: (minibert_stepper, {"cuda_graph_impl": "local", "gradient_accumulation_fusion": True}),
+    PACKED_GRAPHS_GAF: (minibert_stepper, {"cuda_graph_impl": "local", "gradient_accumulation_fusion": True}),
     SPARSE: (minibert_stepper, {"cuda_graph_impl": "local", "sparse_mlm": True}),
     COMPILED: (minibert_stepper, {"compile_layers": True}),
     COMPILED_GRAPHS: (minibert_stepper, {"compile_layers": True, "cuda_graph_impl": "local"}),
@@ -377,6 +389,25 @@ def share_rows(label, reference, cfg, batches, settings):
     return rows
 
 
+def full_length_rows(contenders, label, cfg, settings, into, note):
+    """Each contender on full-length batches (section 1's) at cfg: its real tokens/s goes into `into`
+    (contender -> tok/s), the reference of section 2's shares; -> its rows (note(result): their notes)."""
+    layers, hidden, heads, seq, micro = shape("large", settings)
+    default_prefix, _ = corpus_prefix("default", settings)
+    count, rows = batches_needed(cfg, settings), []
+    for contender in contenders:
+        result, failed = attempt("CUDA graphs" in contender, f"{label}: {contender}",
+                                 lambda: measure(contender, cfg, stream_batches(default_prefix, count, micro, seq,
+                                                                                settings.device), settings))
+        rows += failed
+        if result is None:
+            continue
+        into[contender] = result.tokens_per_s
+        rows += print_rows([row(f"{label}: {contender}, real tokens/s", result.tokens_per_s, "tok/s",
+                                note(result))])
+    return rows
+
+
 def section_2(settings):
     """Padded batches; each contender's real tokens/s against its family's full-length run (section 1's,
     or measured here on the same full-length batches when section 1 is not run): eager against eager,
@@ -388,20 +419,13 @@ def section_2(settings):
     rows = []
     # each contender against its own family's full-length run: the graphed one against the graphed run,
     # so that a host that slows the eager steps does not inflate the graphed shares
-    reference = {"minibert packed": "minibert", "minibert padded": "minibert", "HF eager + mask": "HF eager"}
-    if device.type == "cuda":
-        reference["minibert packed, CUDA graphs"] = "minibert, CUDA graphs"
-    for contender in dict.fromkeys(reference.values()):
-        if contender not in settings.full_length:  # section 1 not run (or its graphed contender failed)
-            result, failed = attempt("CUDA graphs" in contender, f"{model} full-length reference: {contender}",
-                                     lambda: measure(contender, cfg, stream_batches(default_prefix, count, micro,
-                                                                                    seq, device), settings))
-            rows += failed
-            if result is None:
-                continue
-            settings.full_length[contender] = result.tokens_per_s
-            rows += print_rows([row(f"{model} full-length reference: {contender}, real tokens/s",
-                                    result.tokens_per_s, "tok/s", "section 1's batches, measured here")])
+    reference = {"minibert packed": "minibert", "minibert padded": "minibert", "HF eager + mask": "HF eager",
+                 "minibert packed, CUDA graphs": "minibert, CUDA graphs"}
+    named = contenders_for([c.replace(" + mask", "") for c in reference], settings)  # --contenders, the CPU
+    reference = {c: full for c, full in reference.items() if c.replace(" + mask", "") in named}
+    missing = [c for c in dict.fromkeys(reference.values()) if c not in settings.full_length]  # no section 1
+    rows += full_length_rows(missing, f"{model} full-length reference", cfg, settings, settings.full_length,
+                             lambda result: "section 1's batches, measured here")
     long_prefix, long_note = corpus_prefix("long", settings)
     low = seq // 4  # U[128, 512] at s512
     lengths = np.random.default_rng(SEED + 1).integers(low, seq + 1, count * micro)
@@ -420,7 +444,9 @@ def section_2(settings):
                                 histogram)])
         rows += share_rows(label, reference, cfg, batches, settings)
     packed = {contender: full for contender, full in reference.items() if contender.startswith("minibert packed")}
-    return rows + equal_tokens_rows(settings, mean_real_tokens(datasets[1][1]), packed)
+    rows += equal_tokens_rows(settings, mean_real_tokens(datasets[1][1]), packed) if packed else []
+    packed.update({c: GRAPHS_GAF for c in contenders_for([PACKED_GRAPHS_GAF], settings)})
+    return rows + (accumulated_rows(settings, packed) if packed else [])
 
 
 def equal_tokens_rows(settings, real, references):
@@ -439,6 +465,25 @@ def equal_tokens_rows(settings, real, references):
                            f"micro-batch {equal} = {micro} x {seq} / {real:.1f} mean real tokens per sample, "
                            f"against {micro * seq} in the full-length run")])
     return rows + share_rows(label, references, cfg, batches, settings)
+
+
+def accumulated_rows(settings, references):
+    """The default corpus at micro-batch 32 again, with ACCUMULATION micro-batches per optimizer step (global
+    batch 256, the original BERT's), against the full-length run with the same accumulation: how a real
+    pretraining run spreads the optimizer's fixed cost over its micro-batches, on both sides of the ratio.
+    references: section 2's packed contenders -> their full-length families."""
+    layers, hidden, heads, seq, micro = shape("large", settings)
+    accumulation = 2 if settings.tiny else ACCUMULATION  # the CPU test: the rows, not the numbers
+    cfg = minibert_config("large", settings, global_batch_size=micro * accumulation)
+    count, device = batches_needed(cfg, settings), settings.device
+    default_prefix, _ = corpus_prefix("default", settings)
+    label = f"{model_label('large', settings)} x{accumulation} micro-batches per step"
+    accumulated = replace(settings, full_length={})  # the full-length references at this global batch
+    rows = full_length_rows(dict.fromkeys(references.values()), f"{label}, full-length", cfg, settings,
+                            accumulated.full_length, lambda result: f"{1e3 * result.seconds / result.steps:.1f} "
+                                                                    f"ms/step; global batch {cfg.global_batch_size}")
+    batches = megatron_batches(default_prefix, count, cfg, device)
+    return rows + share_rows(f"{label}, Megatron samples, default corpus", references, cfg, batches, accumulated)
 
 
 def section_3(settings):

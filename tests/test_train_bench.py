@@ -16,10 +16,12 @@ EXPECTED = {
     1: [("minibert, seq/s", 1), ("minibert, real tokens/s", 1), ("minibert, model TFLOP/s", 1),
         ("minibert, MFU", 1), ("HF eager, seq/s", 1), ("HF eager, real tokens/s", 1), ("HF eager, MFU", 1),
         ("minibert / HF eager", 1)],
-    # the three datasets, then the default corpus again at the full-length run's real tokens per micro-batch
+    # the three datasets, then the default corpus again at the full-length run's real tokens per micro-batch,
+    # and with several micro-batches per step against a full-length run with the same accumulation
     2: [("mean real tokens per sample", 3), ("length histogram, median real tokens per sample", 3),
-        ("minibert packed, real tokens/s", 4), ("minibert packed, real tokens/s vs full-length", 4),
-        ("real tokens per micro-batch", 1), ("minibert padded, real tokens/s", 3),
+        ("minibert packed, real tokens/s", 5), ("minibert packed, real tokens/s vs full-length", 5),
+        ("real tokens per micro-batch", 1), ("micro-batches per step, full-length: minibert, real tokens/s", 1),
+        ("minibert padded, real tokens/s", 3),
         ("minibert padded, real tokens/s vs full-length", 3), ("HF eager + mask, real tokens/s", 3),
         ("HF eager + mask, real tokens/s vs full-length", 3)],
     3: [("minibert, seq/s", 1), ("HF eager, seq/s", 1), ("minibert / HF eager", 1)],
@@ -66,11 +68,16 @@ def test_tiny_cpu_run_prints_every_section():
 def test_contenders_runs_only_the_named_ones_and_refuses_an_unknown_name():
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     command = [sys.executable, "bench/train_bench.py", "--device", "cpu", "--tiny", "--sections", "3"]
-    result = subprocess.run(command + ["--contenders", "HF eager"], cwd=ROOT, env=env, capture_output=True,
-                            text=True, timeout=150)
+    result = subprocess.run(command[:-1] + ["2,3", "--contenders", "HF eager"], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=150)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    names = [name for name, _, _ in parse(result.stdout)[3]]
+    sections = parse(result.stdout)
+    names = [name for name, _, _ in sections[3]]
     assert names and all(": HF eager, " in name for name in names), names  # no minibert row, no ratio
+    # section 2: HF eager + mask on each dataset against its own full-length reference; no minibert row, so
+    # neither of the default corpus's packed-only additions (the larger micro-batch, the accumulation)
+    names = [name for name, _, _ in sections[2] if "tokens/s" in name]
+    assert len(names) == 7 and all("HF eager" in name for name in names), names
     result = subprocess.run(command + ["--contenders", "minibert;HF"], cwd=ROOT, env=env, capture_output=True,
                             text=True, timeout=150)
     assert result.returncode == 2 and "no contender 'HF'" in result.stderr, result.stderr[-2000:]
