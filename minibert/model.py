@@ -138,7 +138,6 @@ class SelfAttention(nn.Module):
         qkv = self.query_key_value(x)  # [b, s, 3 * local heads * d] (sequence parallel: x had s / TP); packed: [n, ...]
         return self.dense(self.attend(qkv, padding_mask, backend, packing))
 
-    @torch.compiler.disable  # --compile-layers compiles around it: kernels, RNG swap and recompute run as they are
     def attend(self, qkv, padding_mask, backend, packing=None):
         """core() under this layer's random generator, recomputed in the backward where selective
         recompute is on."""
@@ -374,8 +373,12 @@ class BertModel(nn.Module):
     def compile_layers(self):
         """--compile-layers: torch.compile each transformer layer (compiled on its first call; layers of one
         shape share their graphs). Inside the graphs the plain ops run and Inductor writes fused kernels for
-        them; SelfAttention.attend, the attention kernels, stays outside (chapter 8, section 5)."""
+        them; SelfAttention.attend, the attention kernels, stays outside (chapter 8, section 5): it is wrapped
+        here, not decorated, because torch.compiler.disable imports the compiler, a second of start-up that
+        every run would pay."""
         for layer in self.layers.values():
+            attention = layer.self_attention
+            attention.attend = torch.compiler.disable(attention.attend)  # kernels, RNG swap, recompute as they are
             layer.compile()
 
     def attention_backend(self, device) -> str:
