@@ -6,6 +6,8 @@ import re
 import socket
 import subprocess
 import sys
+import threading
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN_PY = os.path.join(ROOT, "minibert", "train.py")
@@ -68,6 +70,50 @@ def run_nodes(nnodes, nproc_per_node, args, timeout=TIMEOUT):
     return results
 
 
+class Job:
+    """A launch (`command`, as torchrun_command builds it) in its own process group, its output read while
+    it runs, so that a test acts when a line appears instead of after a guessed sleep (which, on a loaded
+    machine, lands before the run has started or after it has ended)."""
+
+    def __init__(self, command):
+        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env(),
+                                        cwd=ROOT, start_new_session=True)
+        self.out, self.err = [], []
+        self.changed = threading.Condition()
+        self.readers = [threading.Thread(target=self._read, args=(stream, lines), daemon=True)
+                        for stream, lines in ((self.process.stdout, self.out), (self.process.stderr, self.err))]
+        for reader in self.readers:
+            reader.start()
+
+    def _read(self, stream, lines):
+        for line in stream:
+            with self.changed:
+                lines.append(line)
+                self.changed.notify_all()
+        with self.changed:
+            self.changed.notify_all()
+
+    def wait_for(self, accept, timeout=TIMEOUT):
+        """The first stdout line for which accept(line) is true (waiting for it); fails if the job ends first."""
+        deadline, checked = time.monotonic() + timeout, 0
+        with self.changed:
+            while True:
+                for line in self.out[checked:]:
+                    if accept(line):
+                        return line
+                checked = len(self.out)
+                assert self.readers[0].is_alive(), "the job ended before the line came:\n" + "".join(self.err)[-3000:]
+                assert time.monotonic() < deadline, "no such line in time:\n" + "".join(self.out)[-2000:]
+                self.changed.wait(timeout=1.0)
+
+    def finish(self, timeout=TIMEOUT):
+        """Wait for the end -> (returncode, stdout, stderr)."""
+        self.process.wait(timeout=timeout)
+        for reader in self.readers:
+            reader.join()
+        return self.process.returncode, "".join(self.out), "".join(self.err)
+
+
 def tensorboard_scalars(directory) -> dict:
     """tag -> [(step, value), ...] from the event files a run wrote (float32, as TensorBoard stores them)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -84,6 +130,20 @@ def comparable_lines(stdout):
 
 def error_lines(stderr):
     return [line for line in stderr.splitlines() if line.startswith("error:")]
+
+
+def usage_error(args, world_size) -> str:
+    """The message of the UsageError that the trainer's checks raise for `args` on `world_size` processes
+    (in this process: every rank runs the same checks before any collective, and prints this message as
+    one `error:` line; tests/test_data_parallel.py shows it through torchrun)."""
+    from minibert.config import parse_args
+    from minibert.errors import UsageError
+    from minibert.validate import validate
+    try:
+        validate(parse_args([str(a) for a in args]), world_size=world_size, warn=None)
+    except UsageError as e:
+        return str(e)
+    raise AssertionError(f"no error for {args} on {world_size} processes")
 
 
 def assert_close_runs(reference, other, tags=("lm loss", "sop loss", "grad-norm"), rel=1e-5):
