@@ -73,9 +73,44 @@ def layout_args(data, tensorboard_dir, *extra):
 
 @pytest.fixture(scope="session")
 def layout_reference(tiny_data, tmp_path_factory):
-    """The single-process run every parallel layout must reproduce: its stdout and TensorBoard scalars."""
+    """The single-process run every parallel layout must reproduce: its stdout, TensorBoard scalars and
+    checkpoints (saved at iterations 4 and 8: the ground truth of tests/test_reshard.py)."""
     from tests import launch
-    tb = tmp_path_factory.mktemp("reference") / "tb"
-    result = launch.run(1, layout_args(tiny_data, tb))
+    folder = tmp_path_factory.mktemp("reference")
+    result = launch.run(1, layout_args(tiny_data, folder / "tb", "--save", folder / "ckpt", "--save-interval", 4))
     assert result.returncode == 0, result.stderr[-3000:]
-    return {"stdout": result.stdout, "scalars": launch.tensorboard_scalars(tb)}
+    return {"stdout": result.stdout, "scalars": launch.tensorboard_scalars(folder / "tb"), "save": folder / "ckpt"}
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Print what tests recorded with record_property("report", text), e.g. each chapter's time (also when
+    the tests ran in pytest-xdist workers, which send their properties back with the reports)."""
+    lines = [value for reports in terminalreporter.stats.values() for report in reports
+             if getattr(report, "when", None) == "call"
+             for key, value in getattr(report, "user_properties", ()) if key == "report"]
+    if lines:
+        terminalreporter.section("reports")
+        for line in lines:
+            terminalreporter.write_line(line)
+
+
+# ---- the order of the suite, and what runs together under pytest-xdist (make test: -n 2, --dist loadgroup)
+# A worker takes the next unit of work when it is nearly idle, so the suite ends soonest when the longest
+# units come first (a long test started last runs on alone). These files run their tests one by one
+# (each an independent launch); every other file is one unit, so its module-scoped fixtures are built once.
+SPLIT_FIRST = ["test_chapter_commands.py", "test_faults.py", "test_pipeline_parallel.py", "test_tensor_parallel.py",
+               "test_data_parallel.py"]
+# then the files that are one unit, the longest first (tests/README.md: keep this list roughly in order)
+WHOLE_FIRST = ["test_train_bench.py", "test_reshard.py", "test_train_safety.py", "test_fill_mask.py",
+               "test_flash_attention.py", "test_train.py", "test_notebook.py", "test_compile_layers.py",
+               "test_layer_norm_kernel.py", "test_masked_lm.py", "test_flash_varlen.py", "test_recipes.py",
+               "test_course_chapter2.py", "test_softmax_kernel.py", "test_cuda_graphs.py", "test_scaling_notebook.py"]
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
+def pytest_collection_modifyitems(config, items):
+    order = {name: i for i, name in enumerate(SPLIT_FIRST + WHOLE_FIRST)}
+    items.sort(key=lambda item: order.get(item.path.name, len(order)))  # stable: a file's own order is kept
+    for item in items:
+        if item.path.name not in SPLIT_FIRST:
+            item.add_marker(pytest.mark.xdist_group(item.path.name))

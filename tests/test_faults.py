@@ -30,9 +30,9 @@ def command(nproc, arguments, **torchrun):
         launch.torchrun_command(nproc, arguments, **torchrun)
 
 
-def start(nproc, arguments, **torchrun):
-    return subprocess.Popen(command(nproc, arguments, **torchrun), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=launch.env(), cwd=ROOT, start_new_session=True)
+def iteration_number(line):
+    """The iteration a log line reports (`iteration        3/      12 | ...`), else None."""
+    return int(line.split("/")[0].split()[1]) if line.startswith("iteration ") else None
 
 
 def iteration_lines(stdout):
@@ -63,18 +63,26 @@ def test_random_kills_never_leave_a_broken_checkpoint_and_resume_exactly(tiny_da
     expected = iteration_lines(unbroken.stdout)
     save = tmp_path / "ckpt"
     resumable = args(tiny_data, *flags, "--save", save, "--load", save, "--save-interval", 1)
-    rng = random.Random(nproc)  # seeded kill times
-    startup = 4.0 if nproc == 1 else 9.0
+    rng = random.Random(nproc)  # seeded kill moments
     seen = []
-    for attempt in range(5):
-        process = start(nproc, resumable)
-        time.sleep(startup + rng.uniform(0.0, 3.0))
-        os.killpg(process.pid, signal.SIGKILL)  # the whole job at once, like a node losing power
-        out, _ = process.communicate()
+    for attempt in range(5 if nproc == 1 else 3):  # each start of 4 processes costs ~10 s on 2 cores
+        # kill after the log line of a random iteration ahead of the last checkpoint, then a random fraction of
+        # a second later: inside the next iteration's step, its save, or the start of another. Waiting for a
+        # line, not a clock, keeps every kill inside the run on a fast machine and a loaded one alike.
+        done = checkpoint.read_tracker(str(save)) if os.path.exists(checkpoint.tracker_path(str(save))) else 0
+        if done >= iterations - 2:
+            break  # too near the end for a kill that surely falls inside the run
+        kill_after = rng.randint(done + 1, min(done + 2, iterations - 2))
+        job = launch.Job(command(nproc, resumable))
+        job.wait_for(lambda line: (iteration_number(line) or 0) >= kill_after)
+        time.sleep(rng.uniform(0.0, 0.6))
+        kill_the_whole_job(job)
+        _, out, _ = job.finish()
         lines = iteration_lines(out)
         for it, line in lines.items():
             assert line == expected[it], (attempt, it)
         seen.append((attempt, sorted(map(int, lines)), complete(save, (2, 2) if nproc == 4 else (1, 1))))
+    assert len(seen) >= 3, seen  # each kill leaves at most a few iterations behind it
     final = launch.run(nproc, resumable)
     assert final.returncode == 0, final.stderr[-2000:]
     for it, line in iteration_lines(final.stdout).items():
@@ -85,16 +93,27 @@ def test_random_kills_never_leave_a_broken_checkpoint_and_resume_exactly(tiny_da
 
 def test_sigterm_saves_at_the_end_of_the_iteration_and_exits_0(tiny_data, tmp_path):
     flags = ["--train-iters", 400, "--exit-signal-handler", "--save", tmp_path / "ckpt"]
-    process = start(1, args(tiny_data, *flags))
-    time.sleep(6.0)
-    process.send_signal(signal.SIGTERM)
-    out, err = process.communicate(timeout=120)
-    assert process.returncode == 0, err[-2000:]
+    job = launch.Job(command(1, args(tiny_data, *flags)))
+    job.wait_for(lambda line: iteration_number(line) == 2)  # training, with the handler in place
+    job.process.send_signal(signal.SIGTERM)
+    returncode, out, err = job.finish(timeout=120)
+    assert returncode == 0, err[-2000:]
     stopped = [line for line in out.splitlines() if line.startswith("exiting at iteration")]
     assert len(stopped) == 1 and "SIGTERM (--exit-signal-handler)" in stopped[0]
     at = int(stopped[0].split()[3].rstrip(":"))
     assert checkpoint.read_tracker(str(tmp_path / "ckpt")) == at < 400
     assert checkpoint.load_checkpoint(str(tmp_path / "ckpt"))["iteration"] == at
+
+
+def kill_the_whole_job(job):
+    """SIGKILL to every process of the job at once, like a node losing power: the launcher's process group
+    and each torchrun worker's (torchrun starts every worker in a session of its own, so a kill of the
+    launcher's group alone leaves the workers training to the end)."""
+    for group in [job.process.pid] + worker_pids(job.process.pid):
+        try:
+            os.killpg(group, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def worker_pids(torchrun_pid):
@@ -113,13 +132,13 @@ def worker_pids(torchrun_pid):
 
 def test_sigterm_on_one_rank_stops_every_rank_together(tiny_data, tmp_path):
     flags = ["--train-iters", 400, "--exit-signal-handler", "--save", tmp_path / "ckpt"]
-    process = start(2, args(tiny_data, *flags))
-    time.sleep(12.0)
-    workers = worker_pids(process.pid)
+    job = launch.Job(command(2, args(tiny_data, *flags)))
+    job.wait_for(lambda line: iteration_number(line) == 2)
+    workers = worker_pids(job.process.pid)
     assert len(workers) == 2, workers
     os.kill(workers[0], signal.SIGTERM)  # only rank 0 is told
-    out, err = process.communicate(timeout=120)
-    assert process.returncode == 0, err[-2000:]
+    returncode, out, err = job.finish(timeout=120)
+    assert returncode == 0, err[-2000:]
     assert "(--exit-signal-handler)" in out
     tracker = checkpoint.read_tracker(str(tmp_path / "ckpt"))
     assert 0 < tracker < 400 and checkpoint.load_checkpoint(str(tmp_path / "ckpt"))["iteration"] == tracker
@@ -128,14 +147,14 @@ def test_sigterm_on_one_rank_stops_every_rank_together(tiny_data, tmp_path):
 def test_a_killed_rank_makes_the_others_stop_naming_it(tiny_data, tmp_path):
     # torchrun's own monitor would SIGTERM rank 0 within 0.1 s of rank 1's death, before rank 0's next
     # collective fails (a race seen once on 2 loaded cores): checked every 5 s, rank 0 speaks first
-    process = start(2, args(tiny_data, "--train-iters", 100000), monitor_interval=launch.EVERY_RANK_SPEAKS)
-    time.sleep(12.0)
-    workers = worker_pids(process.pid)
+    job = launch.Job(command(2, args(tiny_data, "--train-iters", 100000), monitor_interval=launch.EVERY_RANK_SPEAKS))
+    job.wait_for(lambda line: iteration_number(line) == 2)
+    workers = worker_pids(job.process.pid)
     killed_at = time.time()
     os.kill(workers[1], signal.SIGKILL)
-    out, err = process.communicate(timeout=120)
+    returncode, out, err = job.finish(timeout=120)
     assert time.time() - killed_at < 60  # within the timeout (15 s) and torchrun's own teardown
-    assert process.returncode != 0
+    assert returncode != 0
     lines = launch.error_lines(err)
     assert len(lines) == 1 and "[rank 0] stopping: rank 1 is gone" in lines[0], err[-3000:]
 

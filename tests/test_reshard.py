@@ -35,20 +35,20 @@ CHECKPOINTS = {}  # name -> checkpoint directory, each launch once per session
 
 
 def saved_run(data, factory, name):
-    """The checkpoint directory of source `name` (or "reference": one process, 8 iterations, saving at 4)."""
+    """The checkpoint directory of source `name`."""
     if name not in CHECKPOINTS:
         ckpt = factory.mktemp(name + "-ckpt") / "ckpt"
-        nproc, flags = SOURCES.get(name, (1, ["--save-interval", 4]))
-        stop = ["--exit-interval", 4] if name in SOURCES else []
-        launch.layout_run(data, factory, "reshard-" + name, nproc, *flags, *stop, "--save", ckpt)
+        nproc, flags = SOURCES[name]
+        launch.layout_run(data, factory, "reshard-" + name, nproc, *flags, "--exit-interval", 4, "--save", ckpt)
         CHECKPOINTS[name] = ckpt
     return CHECKPOINTS[name]
 
 
 @pytest.fixture(scope="module")
-def truth(tiny_data, tmp_path_factory):
-    """The one-process run's iteration 4 as a checkpoint directory of its own (tracker "4")."""
-    reference = saved_run(tiny_data, tmp_path_factory, "reference")
+def truth(layout_reference, tmp_path_factory):
+    """The one-process run's iteration 4 (tests/conftest.py's layout_reference saves at 4 and 8) as a
+    checkpoint directory of its own (tracker "4")."""
+    reference = layout_reference["save"]
     directory = tmp_path_factory.mktemp("truth")
     shutil.copytree(reference / "iter_0000004", directory / "iter_0000004")
     (directory / checkpoint.TRACKER_FILENAME).write_text("4")
@@ -95,7 +95,8 @@ def resume(data, factory, name, nproc, directory, *flags):
     return result, scalars
 
 
-def test_tp2_pp2_to_one_process_and_back_resumes_the_unbroken_run(tiny_data, tmp_path_factory, truth):
+def test_tp2_pp2_to_one_process_and_back_resumes_the_unbroken_run(tiny_data, tmp_path_factory, truth,
+                                                                   layout_reference):
     source = saved_run(tiny_data, tmp_path_factory, "tp2-pp2")
     one = tmp_path_factory.mktemp("one") / "ckpt"
     command = [sys.executable, "-m", "minibert.checkpoint", "convert", "--load", source, "--save", one,
@@ -114,7 +115,7 @@ def test_tp2_pp2_to_one_process_and_back_resumes_the_unbroken_run(tiny_data, tmp
     print(f"TP 2 x PP 2 -> TP 1: worst relative difference of weights and moments from the one-process run {worst:.2e}")
     assert worst <= TOLERANCE
 
-    reference = launch.RUNS["reshard-reference"][1]
+    reference = layout_reference["scalars"]
     _, scalars = resume(tiny_data, tmp_path_factory, "reshard-resume-one", 1, one)
     worst = launch.assert_close_runs(later_than(reference, 4), later_than(scalars, 4))
     print(f"resumed at TP 1: iterations 5-8 within {worst:.2e} of the unbroken run")

@@ -100,8 +100,9 @@ def test_log_format_loss_decrease_tensorboard_and_checkpoints(data):
 
 def test_exact_resume(data):
     """Stopped at 6 (--exit-interval) and resumed from its checkpoint, a run logs what an unbroken
-    run logs, with dropout on: weights, Adam, LR, RNG and both data positions come back."""
-    common = ("--train-iters", 12, "--log-interval", 1, "--eval-interval", 4, "--split", "80,20,0")
+    run logs, with dropout on: weights, Adam, LR, RNG and both data positions come back. In bf16: the
+    fp32 masters come back from the checkpoint, not from the rounded 16-bit weights."""
+    common = ("--train-iters", 12, "--log-interval", 1, "--eval-interval", 4, "--split", "80,20,0", "--bf16")
     unbroken = run_cli(tiny_args(data, *common, "--save", data["dir"] / "unbroken"))
     stopped = run_cli(tiny_args(data, *common, "--save", data["dir"] / "resumed", "--exit-interval", 6))
     resumed = run_cli(tiny_args(data, *common, "--save", data["dir"] / "resumed",
@@ -125,7 +126,8 @@ def test_exact_resume(data):
     for key, value in a["model"].items():
         assert torch.equal(value, b["model"][key]), key
     for name, state in a["optimizer"]["params"].items():
-        assert torch.equal(state["exp_avg_sq"], b["optimizer"]["params"][name]["exp_avg_sq"]), name
+        for kind in ("master", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(state[kind], b["optimizer"]["params"][name][kind]), (name, kind)
     # saved at 12 after the evaluations at 4, 8 and 12 (the final one comes after the save)
     assert (a["consumed_train_samples"], a["consumed_valid_samples"]) == (12 * 8, 3 * 2 * 8)
 
