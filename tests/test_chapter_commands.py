@@ -23,7 +23,10 @@ root (so a variable one block sets is there for the next, as in the reader's ter
       (and `--eval-iters SHORT_EVAL_ITERS` follows `--train-iters` when the command has none);
     * in a command without `--train-iters`, an interval flag above SHORT_ITERS becomes SHORT_ITERS;
     * `make train-small` gets the Makefile's own schedule shortened the same way, through
-      TRAIN_SMALL_ARGS (appended after any TRAIN_SMALL_ARGS the chapter passes: the later flag wins).
+      TRAIN_SMALL_ARGS (appended after any TRAIN_SMALL_ARGS the chapter passes: the later flag wins);
+    * `python -m pytest ...` gets `--collect-only`: the command runs and finds its tests, which this suite
+      runs itself (running them twice doubles their time); a pytest command whose output is piped into
+      another command runs as printed, since the chapter reads what it prints.
   torchrun's `--nproc_per_node` is never changed. The test runs on the CPU (CUDA_VISIBLE_DEVICES="").
 - A block whose printed output (the plain ``` block right after it) shows lines `exit N` must print
   the same `exit N` lines: write an expected failure as `command || echo "exit $?"`.
@@ -32,6 +35,7 @@ root (so a variable one block sets is there for the next, as in the reader's ter
 
 One test per file, so a failure names the file; its message names the block and its line, and shows
 the end of that block's output."""
+import functools
 import os
 import re
 import shutil
@@ -101,6 +105,8 @@ def set_flag(command, flag, value):
 
 def shorten_command(command):
     """The short setting of one command (see the module docstring)."""
+    if re.match(r"\s*python -m pytest\b", command) and "|" not in command:
+        return command.replace("python -m pytest", "python -m pytest --collect-only", 1)
     iters = flag_value(command, "--train-iters")
     if iters is not None and iters > SHORT_ITERS:
         factor = SHORT_ITERS / iters
@@ -160,7 +166,7 @@ def make_shims(folder):
         os.chmod(path, 0o755)
 
 
-def run_document(relative_path, tmp_path):
+def run_document(relative_path, tmp_path, report=print):
     """Runs the file's runnable blocks; returns [(line, block, output, printed output)]."""
     blocks = runnable_blocks(relative_path)
     assert blocks, f"{relative_path} has no {MARKER} block"
@@ -173,7 +179,8 @@ def run_document(relative_path, tmp_path):
     for n, (line, text, _) in enumerate(blocks):
         check_conventions(relative_path, line, text)
         (logs / f"{n}.sh").write_text(shorten(text))
-        driver += [f"echo {n} > '{logs}/current'", f"source '{logs}/{n}.sh' > '{logs}/{n}.out' 2>&1"]
+        driver += [f"echo {n} > '{logs}/current'", f"date +%s.%N > '{logs}/{n}.start'",
+                   f"source '{logs}/{n}.sh' > '{logs}/{n}.out' 2>&1", f"date +%s.%N > '{logs}/{n}.end'"]
     driver.append(f"echo done > '{logs}/current'")
     (logs / "driver.sh").write_text("\n".join(driver) + "\n")
     env = {key: value for key, value in os.environ.items()
@@ -191,13 +198,18 @@ def run_document(relative_path, tmp_path):
         pytest.fail(f"{relative_path}: the runnable block at line {line} failed (exit {result.returncode}):\n"
                     f"{textwrap.indent(shorten(text), '    ')}\n--- the end of its output ---\n{output[-4000:]}"
                     f"{result.stderr[-1000:]}")
+    times = [float((logs / f"{n}.end").read_text()) - float((logs / f"{n}.start").read_text())
+             for n in range(len(blocks))]
+    report(f"{relative_path}: {sum(times):.1f} s; per block (line: s) " +
+           ", ".join(f"{line}: {t:.1f}" for (line, _, _), t in zip(blocks, times)))
     return [(line, text, (logs / f"{n}.out").read_text(), printed)
             for n, (line, text, printed) in enumerate(blocks)]
 
 
 @pytest.mark.parametrize("relative_path", DOCUMENTS)
-def test_runnable_blocks_run_in_order(relative_path, tmp_path):
-    for line, text, output, printed in run_document(relative_path, tmp_path):
+def test_runnable_blocks_run_in_order(relative_path, tmp_path, record_property):
+    report = functools.partial(record_property, "report")  # shown after the run (tests/conftest.py)
+    for line, text, output, printed in run_document(relative_path, tmp_path, report):
         expected_exits = re.findall(r"^exit \d+$", printed or "", re.M)
         actual_exits = re.findall(r"^exit \d+$", output, re.M)
         assert actual_exits == expected_exits, (
@@ -219,6 +231,8 @@ def test_the_short_setting():
         "python minibert/train.py $COURSE --lr 1e-3 --log-interval 10"
     assert shorten("torchrun --nproc_per_node 2 minibert/train.py --train-iters 40 --log-interval 4") == \
         "torchrun --nproc_per_node 2 minibert/train.py --train-iters 10 --eval-iters 2 --log-interval 1"
+    assert shorten("python -m pytest -q tests/test_plan.py") == "python -m pytest --collect-only -q tests/test_plan.py"
+    assert shorten("python -m pytest -q -s tests/t.py -k x | grep y") == "python -m pytest -q -s tests/t.py -k x | grep y"
     args = short_train_small_args()
     assert flag_value(args, "--train-iters") == SHORT_ITERS and flag_value(args, "--eval-iters") <= SHORT_EVAL_ITERS
     assert shorten("make train-small") == f'make train-small TRAIN_SMALL_ARGS="{args}"'
