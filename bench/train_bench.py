@@ -1,4 +1,6 @@
 """Training throughput: minibert's trainer next to HF BertForPreTraining, one process, same data, bf16.
+(On the CPU, --tiny, every contender runs in fp32: most processors emulate bf16 matmuls, several times
+slower, and the CPU run checks that each contender runs through, not how fast; section 4 keeps its bf16 rows.)
 
 Every contender trains on the same CPU batches, in the same order, for the same steps: `warm-up` steps
 (compilation, autotuning, the allocator's first sizes), then `steps` timed ones between two
@@ -138,7 +140,8 @@ def minibert_config(name, settings, **overrides) -> Config:
     layers, hidden, heads, seq, micro = shape(name, settings)
     values = dict(num_layers=layers, hidden_size=hidden, num_attention_heads=heads, seq_length=seq,
                   max_position_embeddings=512, micro_batch_size=micro, global_batch_size=micro, train_iters=1000,
-                  lr=1e-4, bf16=True, seed=SEED, split="100,0,0", num_workers=0, eval_iters=0)
+                  lr=1e-4, bf16=settings.device.type == "cuda", seed=SEED, split="100,0,0", num_workers=0,
+                  eval_iters=0)  # fp32 on the CPU (the module's docstring)
     values.update(overrides)
     return validate(Config(**values), 1, settings.device.type, warn=None)
 
@@ -187,7 +190,7 @@ def hf_stepper(cfg, batches, device, compiled=False):
 
     def step():
         inputs = {k: v.to(device, non_blocking=True) for k, v in next(iterator).items()}
-        with torch.autocast(device.type, dtype=torch.bfloat16):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):  # as minibert's
             loss = forward(**inputs).loss
         loss.backward()
         optimizer.step()
