@@ -16,7 +16,8 @@ from tests.conftest import layout_args
 
 LAYOUTS = {
     "pp2-1f1b": (2, ["--pipeline-model-parallel-size", 2]),
-    "pp2-afab": (2, ["--pipeline-model-parallel-size", 2, "--pipeline-schedule", "afab"]),
+    "pp2-afab": (2, ["--pipeline-model-parallel-size", 2, "--pipeline-schedule", "afab",
+                     "--pipeline-trace"]),  # read by test_pipeline_trace_prints_each_send_and_receive too
     "pp4-1f1b": (4, ["--pipeline-model-parallel-size", 4]),
     "pp4-afab": (4, ["--pipeline-model-parallel-size", 4, "--pipeline-schedule", "afab"]),
     "pp2-interleaved": (2, ["--pipeline-model-parallel-size", 2, "--num-layers-per-virtual-pipeline-stage", 1,
@@ -70,15 +71,16 @@ def test_stopped_and_resumed_tp2_pp2_with_dropout_logs_the_unbroken_run(tiny_dat
     assert other.returncode == 2 and len(errors) == 1 and "python -m minibert.checkpoint convert" in errors[0]
 
 
-def test_pipeline_trace_prints_each_send_and_receive(tiny_data, tmp_path):
-    result = launch.run(2, layout_args(tiny_data, tmp_path / "tb", "--pipeline-model-parallel-size", 2,
-                                       "--train-iters", 1, "--lr-warmup-iters", 0, "--eval-iters", 0,
-                                       "--pipeline-trace"))
-    assert result.returncode == 0, result.stderr[-3000:]
+def test_pipeline_trace_prints_each_send_and_receive(tiny_data, tmp_path_factory, layout_reference):
+    nproc, flags = LAYOUTS["pp2-afab"]
+    result, _ = launch.layout_run(tiny_data, tmp_path_factory, "pp2-afab", nproc, *flags)
     sends = [line for line in result.stdout.splitlines() if line.startswith("[pipeline rank 0] send")]
     receives = [line for line in result.stdout.splitlines() if line.startswith("[pipeline rank 1] recv")]
-    assert len(sends) == len(receives) == 8  # one step: 8 micro-batches' activations, stage 0 -> 1
+    # each of the 8 training steps sends its 8 micro-batches' activations from stage 0 to 1 (a global batch of
+    # 16 in micro-batches of 2); the trace follows the training schedule's exchanges, not evaluation's sends
+    assert len(sends) == len(receives) == 8 * 8
     assert sends[0] == "[pipeline rank 0] send activation of micro-batch 0 for stage 1 to pipeline rank 1"
+    assert [line.split("micro-batch ")[1].split()[0] for line in sends[:8]] == [str(m) for m in range(8)]  # AFAB
 
 
 @pytest.mark.parametrize("flags,message", [

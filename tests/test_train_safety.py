@@ -15,6 +15,7 @@ from minibert.config import Config
 from minibert.masked_lm import build_train_valid_test_datasets
 from minibert.preprocess import preprocess
 from minibert.tokenizer import BertWordPieceTokenizer
+from minibert.train import main as train_main
 from tests import launch
 
 ROOT = launch.ROOT
@@ -105,14 +106,16 @@ def test_padding_is_read_from_the_pad_id_whatever_its_number(tiny_data, tmp_path
     assert batch["tokens"] == int((padding_mask == 1).sum())
 
 
-def test_resume_refuses_another_sample_stream_and_warns_on_a_rebuilt_index(tiny_data, two_iterations, tmp_path):
+def test_resume_refuses_another_sample_stream_and_warns_on_a_rebuilt_index(tiny_data, two_iterations, tmp_path,
+                                                                          capsys):
     import shutil
     save = tmp_path / "ckpt"
     shutil.copytree(two_iterations, save)
-    for flag, value in (("--seed", 7), ("--split", "80,10,10"), ("--mask-prob", 0.2)):
-        result = launch.run(1, args(tiny_data, "--train-iters", 4, "--bf16", "--load", save, flag, value))
-        errors = launch.error_lines(result.stderr)
-        assert result.returncode == 2 and len(errors) == 1 and flag in errors[0], (flag, result.stderr)
+    for flag, value in (("--seed", 7), ("--split", "80,10,10"), ("--mask-prob", 0.2)):  # refused in this process
+        code, _, err = launch.run_main(train_main, args(tiny_data, "--train-iters", 4, "--bf16", "--load", save,
+                                                        flag, value), capsys)
+        errors = launch.error_lines(err)
+        assert code == 2 and len(errors) == 1 and flag in errors[0], (flag, err)
     longer = launch.run(1, args(tiny_data, "--train-iters", 4, "--bf16", "--load", save, "--micro-batch-size", 2))
     assert longer.returncode == 0, longer.stderr  # a longer run with another micro-batch size continues
     warnings = [line for line in longer.stderr.splitlines() if line.startswith("warning:")]
@@ -188,11 +191,13 @@ def test_a_nan_on_one_tensor_parallel_rank_stops_every_rank(tiny_data, tmp_path)
 @pytest.mark.parametrize("flag,value,named", [("--num-layers", 3, "--num-layers 2 (now 3)"),
                                               ("--post-ln", None, "--post-ln False (now True)"),
                                               ("--hidden-size", 64, "--hidden-size 32 (now 64)")])
-def test_a_checkpoint_of_another_model_exits_2_naming_what_differs(tiny_data, two_iterations, flag, value, named):
+def test_a_checkpoint_of_another_model_exits_2_naming_what_differs(tiny_data, two_iterations, flag, value, named,
+                                                                   capsys):
     extra = [flag] if value is None else [flag, value]
-    result = launch.run(1, args(tiny_data, "--train-iters", 4, "--bf16", "--load", two_iterations, *extra))
-    errors = launch.error_lines(result.stderr)
-    assert result.returncode == 2 and len(errors) == 1 and named in errors[0], result.stderr
+    code, _, err = launch.run_main(train_main, args(tiny_data, "--train-iters", 4, "--bf16", "--load", two_iterations,
+                                                    *extra), capsys)
+    errors = launch.error_lines(err)
+    assert code == 2 and len(errors) == 1 and named in errors[0], err
 
 
 def test_all_padding_and_nothing_masked_give_finite_losses(tiny_data):
