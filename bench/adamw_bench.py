@@ -58,8 +58,8 @@ def _restore(optimizer, saved):
     tensors = [t for sh in optimizer.shards for t in (sh.master, sh.grad, sh.exp_avg, sh.exp_avg_sq)]
     for t, s in zip(tensors, saved):
         t.copy_(s)
-    for st in optimizer.adam.state.values():
-        st["step"].zero_()
+    for pc in optimizer.pieces:
+        pc.step.zero_()
 
 
 def _check(optimizer, divisor, found_inf):

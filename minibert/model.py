@@ -78,6 +78,16 @@ class LayerNorm(nn.LayerNorm):
         return super().forward(x)
 
 
+class Table(nn.Embedding):
+    """nn.Embedding without an init of its own: init_parameters draws every weight (by its name, so that every
+    layout builds the one-process model), so nn.Embedding's draw would be thrown away; and on the meta device,
+    where build.py shapes the model, that draw runs through torch's reference ops, whose first call imports
+    torch's compiler: seconds of start-up for every process."""
+
+    def reset_parameters(self):
+        pass
+
+
 class Embedding(nn.Module):
     """tokens, types [b, s] -> [b, s, h] = word[tokens] + position[0..s) + tokentype[types].
 
@@ -88,9 +98,9 @@ class Embedding(nn.Module):
     def __init__(self, config):
         super().__init__()
         h = config.hidden_size
-        self.word_embeddings = nn.Embedding(config.padded_vocab_size, h)
-        self.position_embeddings = nn.Embedding(config.max_positions, h)
-        self.tokentype_embeddings = nn.Embedding(NUM_TOKEN_TYPES, h)
+        self.word_embeddings = Table(config.padded_vocab_size, h)
+        self.position_embeddings = Table(config.max_positions, h)
+        self.tokentype_embeddings = Table(NUM_TOKEN_TYPES, h)
         # post-LN (HF) normalises the embeddings; Megatron's pre-LN leaves that to the first layer's LN1
         self.layernorm = LayerNorm(h, config.layernorm_epsilon, config) if config.post_ln else None
         self.dropout = config.hidden_dropout
@@ -299,7 +309,7 @@ class WordEmbeddingCopy(nn.Module):
 
     def __init__(self, config):
         super().__init__()
-        self.word_embeddings = nn.Embedding(config.padded_vocab_size, config.hidden_size)
+        self.word_embeddings = Table(config.padded_vocab_size, config.hidden_size)
 
 
 class Layers(nn.ModuleDict):

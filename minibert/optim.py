@@ -43,6 +43,7 @@ import math
 from collections import namedtuple
 
 import torch
+from torch.optim.adamw import adamw as pytorch_adamw  # the functional form (update() says why)
 import torch.distributed as dist
 
 from minibert.kernels import adamw as adamw_kernel
@@ -89,6 +90,7 @@ class Piece:
         self.master = shard.master[lo:hi]
         self.master.grad = shard.grad[lo:hi]
         self.exp_avg, self.exp_avg_sq = shard.exp_avg[lo:hi], shard.exp_avg_sq[lo:hi]
+        self.step = torch.zeros((), dtype=torch.float32, device=self.master.device)  # AdamW's t (PyTorch's kernel)
 
 
 StepOutcome = namedtuple("StepOutcome", ["update_successful", "grad_norm", "status"])  # "ok" / "overflow" / "nan"
@@ -125,17 +127,11 @@ class MixedPrecisionOptimizer:
         # "triton": minibert/kernels/adamw.py, AdamW and the copy back in one pass (CUDA, or the interpreter);
         # "torch": PyTorch's fused AdamW (one kernel on CUDA and on the CPU), then the copy back: the plain twin
         self.kernel = kernel or ("triton" if self.pieces and self.pieces[0].master.is_cuda else "torch")
-        decay = [pc.master for pc in self.pieces if not no_weight_decay(pc.name, pc.param)]
-        no_decay = [pc.master for pc in self.pieces if no_weight_decay(pc.name, pc.param)]
-        groups = [g for g in ({"params": decay, "weight_decay": weight_decay},
-                              {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
-        # fused=True: one kernel for all of AdamW's elementwise work, on CUDA and on the CPU, and the one
-        # implementation that takes grad_scale and found_inf (step() says why it needs them). It also holds
-        # the param groups (the LR schedule sets their "lr") for the Triton path.
-        self.adam = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=True)
-        for pc in self.pieces:  # the moments are views of the shards' flat buffers, for either kernel
-            self.adam.state[pc.master] = {"step": torch.zeros((), dtype=torch.float32, device=pc.master.device),
-                                          "exp_avg": pc.exp_avg, "exp_avg_sq": pc.exp_avg_sq}
+        decay = [pc for pc in self.pieces if not no_weight_decay(pc.name, pc.param)]
+        no_decay = [pc for pc in self.pieces if no_weight_decay(pc.name, pc.param)]
+        # the LR schedule sets each group's "lr"; the moments are views of the shards' flat buffers (either kernel)
+        self.param_groups = [{"pieces": pieces, "lr": lr, "weight_decay": decay_rate, "betas": betas, "eps": eps}
+                             for pieces, decay_rate in ((decay, weight_decay), (no_decay, 0.0)) if pieces]
 
     def _in_norm(self, name, param) -> bool:
         """Count each parameter once in the global grad norm: a tensor-parallel *replicated* one (a
@@ -150,10 +146,6 @@ class MixedPrecisionOptimizer:
         parameter's shape)."""
         return [pc.master.view_as(pc.param) if pc.end - pc.start == pc.param.numel() else pc.master
                 for pc in self.pieces]
-
-    @property
-    def param_groups(self):
-        return self.adam.param_groups
 
     @property
     def loss_scale(self) -> float:
@@ -176,6 +168,7 @@ class MixedPrecisionOptimizer:
         elements = sum(pc.master.numel() for pc in self.pieces)
         return elements * 4 * (3 if self.low_precision else 2)
 
+    @torch.profiler.record_function("MixedPrecisionOptimizer.step")  # a named range in --profile's trace
     def step(self, nonfinite_loss=None) -> StepOutcome:
         """nonfinite_loss: 0-d device tensor, > 0 when a micro-batch's loss on this rank was inf/NaN.
 
@@ -214,12 +207,21 @@ class MixedPrecisionOptimizer:
         """AdamW on every piece, each gradient divided by `divisor`, then the 16-bit weights from the
         masters; nothing changes where `found_inf` is 1 (both 0-d fp32 device tensors)."""
         if self.kernel == "torch":
-            self.adam.grad_scale, self.adam.found_inf = divisor, found_inf
-            self.adam.step()
+            # PyTorch's fused AdamW (fused=True: one kernel for all of AdamW's elementwise work, on CUDA and on
+            # the CPU, and the one implementation that takes grad_scale and found_inf: step() says why it needs
+            # them), called as a function: the torch.optim class would hold nothing we use, and its first
+            # call imports torch's compiler, seconds of start-up for every run
+            for group in self.param_groups:
+                pieces = group["pieces"]
+                pytorch_adamw(
+                    [pc.master for pc in pieces], [pc.master.grad for pc in pieces], [pc.exp_avg for pc in pieces],
+                    [pc.exp_avg_sq for pc in pieces], [], [pc.step for pc in pieces], fused=True, grad_scale=divisor,
+                    found_inf=found_inf, amsgrad=False, beta1=group["betas"][0], beta2=group["betas"][1],
+                    lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
             for shard in self.shards:
                 shard.copy_back()
             return
-        group = self.adam.param_groups[0]  # the decayed parameters' group (if none, no chunk is decayed)
+        group = self.param_groups[0]  # the decayed parameters' group (if none, no chunk is decayed)
         for shard in self.shards:
             if shard.table is None:
                 shard.table = adamw_kernel.program_table(
@@ -298,7 +300,7 @@ class MixedPrecisionOptimizer:
                     else:
                         getattr(pc, key).zero_()
         for pc in self.pieces:
-            self.adam.state[pc.master]["step"].fill_(self.steps_made)
+            pc.step.fill_(self.steps_made)
         for shard in self.shards:
             shard.copy_back()
         for g in self.grads:

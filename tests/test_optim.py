@@ -212,16 +212,15 @@ def test_fp16_overflow_skips_the_step(kernel):
     assert scaler.scale == 2.0 ** 31  # one overflow tolerated (hysteresis 2), the second halved
     assert sched.num_steps == 0 and opt.param_groups[0]["lr"] == 0.1
     # AdamW was queued both times and told to skip on the device (found_inf): moments and step count untouched
-    states = [opt.adam.state[pc.master] for pc in opt.pieces]  # PyTorch's step counts (the torch kernel's)
     assert opt.steps_made == 0 and not any(pc.exp_avg.any() or pc.exp_avg_sq.any() for pc in opt.pieces)
-    assert all(st["step"].item() == 0 for st in states)
+    assert all(pc.step.item() == 0 for pc in opt.pieces)  # PyTorch's step counts (the torch kernel's)
     scaler.scale = 2.0 ** 4           # a scale that fits: the step happens, unscaled
     opt.zero_grad()
     opt.scale_loss(model(x)).backward()
     ok, norm, _ = opt.step()
     assert ok and torch.isfinite(norm) and not torch.equal(params[0], model.linear.weight)
     assert opt.steps_made == 1 and all(pc.exp_avg.any() for pc in opt.pieces)
-    assert all(st["step"].item() == (1 if kernel == "torch" else 0) for st in states)
+    assert all(pc.step.item() == (1 if kernel == "torch" else 0) for pc in opt.pieces)
     # the grad norm is of the unscaled gradient: compare with fp32 autograd on the same weights
     reference = Tiny()
     reference.load_state_dict({k: v.float() for k, v in zip(reference.state_dict(), params)})
