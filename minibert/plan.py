@@ -224,7 +224,7 @@ def memory_section(cfg, stage, tables, backend, precision, hw) -> list:
     return lines
 
 
-def time_section(cfg, hw, est, world) -> list:
+def time_section(cfg, hw, est, world, days=True) -> list:
     pp, vp, m = cfg.pipeline_model_parallel_size, cfg.virtual_pipeline_size, cfg.num_micro_batches
     ms = lambda seconds: f"{seconds * 1e3:.1f} ms"  # noqa: E731
     sp, zero1 = cfg.sequence_parallel, cfg.use_distributed_optimizer
@@ -255,11 +255,12 @@ def time_section(cfg, hw, est, world) -> list:
     return lines + [f"expected log line: elapsed time per iteration (ms): {est['step'] * 1e3:.1f} | throughput per GPU "
                     f"(TFLOP/s/GPU): {tflops / 1e12:.1f} | tokens per second: "
                     f"{cfg.global_batch_size * cfg.seq_length / est['step']:.0f} | "
-                    f"MFU: {100 * tflops / PEAK_FLOPS:.1f}%",
-                    f"--train-iters {cfg.train_iters}: {est['step'] * cfg.train_iters / 86400:.2f} days at that rate"]
+                    f"MFU: {100 * tflops / PEAK_FLOPS:.1f}%"] + (
+        [f"--train-iters {cfg.train_iters}: {est['step'] * cfg.train_iters / 86400:.2f} days at that rate"] if days else [])
 
 
-def report(cfg, hw, world, nnodes, gpus_per_node) -> str:
+def report(cfg, hw, world, nnodes, gpus_per_node, days=True) -> str:
+    """The plan as text; days: add the days-to-train line (--train-iters was given)."""
     precision = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}[compute_dtype(cfg)]
     backend = backend_for(cfg, "cuda")
     all_stages = pm.stages(cfg)
@@ -281,7 +282,7 @@ def report(cfg, hw, world, nnodes, gpus_per_node) -> str:
     lengths = torch.full((cfg.global_batch_size,), float(cfg.seq_length), dtype=torch.float64)
     rows = cfg.global_batch_size * cfg.seq_length * (cfg.mask_prob if cfg.sparse_mlm else 1)
     est["model_flops"] = model_flops(cfg, lengths, rows)  # what the trainer counts: no recompute, no padding
-    return "\n".join(lines + [""] + time_section(cfg, hw, est, world))
+    return "\n".join(lines + [""] + time_section(cfg, hw, est, world, days))
 
 
 def apply_preset(cfg):
@@ -306,6 +307,11 @@ def main(argv=None):
         from minibert.train import use_checkpoint_args
         use_checkpoint_args(cfg)
     apply_preset(cfg)
+    # a plan needs the model, the batch and the layout; the schedule only adds the days-to-train line, so the
+    # trainer's required --train-iters and --lr get placeholders here when they are not given
+    days = cfg.train_iters is not None
+    cfg.train_iters = 1 if cfg.train_iters is None else cfg.train_iters
+    cfg.lr = 0.0 if cfg.lr is None else cfg.lr
     world = max(nnodes, 1) * max(gpus_per_node, 1)
     problems += layout_problems(cfg, world)
     problems += other_problem(cfg)
@@ -313,7 +319,7 @@ def main(argv=None):
         refuse(problems)
     validate(cfg, world_size=world, device_type="cuda",  # exactly the trainer's check on N x G GPUs
              warn=lambda message: print(f"warning: {message}", file=sys.stderr, flush=True))
-    print(report(cfg, hw, world, nnodes, gpus_per_node))
+    print(report(cfg, hw, world, nnodes, gpus_per_node, days))
 
 
 if __name__ == "__main__":

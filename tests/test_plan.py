@@ -214,10 +214,9 @@ def test_every_problem_is_listed_one_line_each(capsys):
                      "--num-attention-heads 12 must be divisible by --tensor-model-parallel-size 8",
                      "--hidden-size 100 must be divisible by --tensor-model-parallel-size 8",
                      "--ffn-hidden-size 300 must be divisible", "--seq-length 1024 is larger",
-                     "--num-layers 6 cannot be split evenly over --pipeline-model-parallel-size 4",
-                     "--train-iters is required"):
+                     "--num-layers 6 cannot be split evenly over --pipeline-model-parallel-size 4"):
         assert sum(expected in line for line in lines) == 1, (expected, err)
-    assert len(lines) == 8
+    assert len(lines) == 7
 
 
 def test_a_plan_for_a_layout_that_runs(capsys):
@@ -230,6 +229,18 @@ def test_a_plan_for_a_layout_that_runs(capsys):
     assert f"total parameters: {pm.total_parameters(cfg)} " in out
     assert "layout: 8 GPUs = 1 node x 8 GPUs = TP 2 x PP 2 x DP 2" in out
     assert "<- this run" in out and "pipeline bubble: (p-1)/m = 1/4" in out and "= step" in out
+
+
+def test_a_plan_needs_no_training_flags_and_gives_the_days_when_told_the_iterations(capsys):
+    """The model, the batch and the layout make a plan; --train-iters adds the days-to-train line."""
+    shape = ["--num-layers", 24, "--hidden-size", 1024, "--num-attention-heads", 16, "--seq-length", 512,
+             "--micro-batch-size", 4, "--global-batch-size", 32, "--nproc-per-node", 8]
+    code, out, err = run_plan(capsys, *shape)
+    assert code == 0 and "total parameters: " in out and "= step" in out and "days at that rate" not in out, err
+    code, out, err = run_plan(capsys, *shape, "--train-iters", 1000)
+    assert code == 0 and "--train-iters 1000: " in out and "days at that rate" in out, err
+    code, out, err = run_plan(capsys, *shape, "--train-iters", 0)
+    assert code == 2 and "--train-iters must be positive" in err
 
 
 @pytest.mark.parametrize("argv, message", [(["--mfu", "1.5"], "--mfu must be at most 1"),
