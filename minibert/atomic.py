@@ -15,6 +15,17 @@ import os
 import socket
 import uuid
 
+from minibert.errors import UsageError
+
+
+def require_new_directory(path: str, flag: str):
+    """Every tool that writes a directory of files starts from a missing or empty one: files an earlier run
+    left there would mix with the new ones (a stale tokenizer.json is what transformers loads, a stale tracker
+    is what the trainer resumes from). UsageError otherwise, before anything is read or written."""
+    if os.path.exists(path) and (not os.path.isdir(path) or os.listdir(path)):
+        raise UsageError(f"{flag} {path} exists and is not empty: give a new directory (or remove this one "
+                         "first; nothing was written)")
+
 
 def temporary_path(path: str) -> str:
     """A fresh name next to `path`, hidden (leading dot) and unique to this host and process."""

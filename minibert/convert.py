@@ -51,7 +51,7 @@ import sys
 
 import torch
 
-from minibert.atomic import atomic_write_bytes
+from minibert.atomic import atomic_write_bytes, require_new_directory
 from minibert.config import Config
 from minibert.errors import OneLineArgumentParser, UsageError, exit_on_usage_error
 from minibert.model import BertModel
@@ -130,6 +130,7 @@ def to_hf(model: BertModel, out_dir: str, tokenizer=None) -> None:
     """Write config.json + model.safetensors that transformers' from_pretrained loads (BertForPreTraining
     for post-LN, MegatronBertForPreTraining for pre-LN; *ForMaskedLM without the SOP head). With a
     tokenizer (minibert.tokenizer.BertWordPieceTokenizer), also the files AutoTokenizer reads."""
+    require_new_directory(out_dir, "--output")
     cfg = model.config
     tensors = {}
     for name, t in model.state_dict().items():
@@ -289,6 +290,7 @@ def _write_json(path: str, data: dict) -> None:
 def hf_to_checkpoint(hf_dir: str, save_dir: str) -> str:
     """from-hf: HF_DIR -> SAVE/release/mp_rank_00/model_optim_rng.pt (+ SAVE/vocab.txt when HF_DIR has one)."""
     from minibert.checkpoint import save_weights
+    require_new_directory(save_dir, "--save")  # never over a training run's checkpoints and tracker
     model = from_hf(hf_dir)
     cfg = model.config
     tokenizer_config = os.path.join(hf_dir, "tokenizer_config.json")
@@ -304,6 +306,7 @@ def hf_to_checkpoint(hf_dir: str, save_dir: str) -> str:
 def checkpoint_to_hf(load_dir: str, out_dir: str) -> None:
     """to-hf: a minibert checkpoint directory -> OUT with config, weights and tokenizer files."""
     from minibert.fill_mask import load_checkpoint_model, tokenizer_for_checkpoint
+    require_new_directory(out_dir, "--output")  # before the checkpoint is read
     model, cfg = load_checkpoint_model(load_dir)
     to_hf(model, out_dir, tokenizer=tokenizer_for_checkpoint(load_dir, cfg))
 

@@ -50,7 +50,7 @@ import sys
 import torch
 
 from minibert import checkpoint
-from minibert.atomic import atomic_write, atomic_write_bytes
+from minibert.atomic import atomic_write, atomic_write_bytes, require_new_directory
 from minibert.manifest import write_manifest
 from minibert.errors import UsageError
 from minibert.optim import _cut
@@ -276,9 +276,7 @@ def convert(load, save, target_tensor_parallel_size, target_pipeline_model_paral
     directory `save`. Every check runs before the first write; the files are written atomically and the
     tracker last. Returns the paths written."""
     warn = warn or (lambda m: print(f"warning: {m}", file=sys.stderr, flush=True))
-    if os.path.exists(save) and (not os.path.isdir(save) or os.listdir(save)):
-        raise UsageError(f"--save {save} exists and is not empty: give a new directory (the converter never "
-                         "writes over a checkpoint)")
+    require_new_directory(save, "--save")  # the converter never writes over a checkpoint
     source = read_source(load)
     args = target_args(source.args, target_tensor_parallel_size, target_pipeline_model_parallel_size,
                        target_num_layers_per_virtual_pipeline_stage, target_decoder_first_pipeline_num_layers,

@@ -256,6 +256,23 @@ def test_learner_facing_text_names_nothing_outside_the_repository():
     assert not found, "\n".join(found)
 
 
+def test_every_test_the_text_names_exists():
+    """A chapter that says "tests/test_x.py::test_y checks this" points at a test that exists (tests are
+    merged and renamed as the suite changes)."""
+    named = set()
+    for folder in ("chapters", "docs", "notebooks", "bench", "."):
+        for name in sorted(os.listdir(os.path.join(ROOT, folder))):
+            if (folder != "." or name == "README.md") and name.endswith((".md", ".ipynb")):
+                with open(os.path.join(ROOT, folder, name), encoding="utf-8") as f:
+                    named |= {(folder, name, m[0], m[1]) for m in re.findall(r"(tests/\w+\.py)::(\w+)", f.read())}
+    missing = []
+    for folder, name, path, test in sorted(named):
+        with open(os.path.join(ROOT, path), encoding="utf-8") as f:
+            if not re.search(rf"^def {test}\b", f.read(), re.M):
+                missing.append(f"{folder}/{name}: {path}::{test}")
+    assert named and not missing, "\n".join(missing)
+
+
 @pytest.mark.parametrize("relative_path", [d for d in DOCUMENTS if d.startswith("chapters")])
 def test_chapter_shape(relative_path):
     """Each chapter opens with what you will learn and the tools it needs, and has a "Run it now"

@@ -102,6 +102,22 @@ def test_a_directory_without_a_checkpoint_is_one_line_and_exit_2(tmp_path, comma
     assert not (tmp_path / "hf").exists()
 
 
+@pytest.mark.parametrize("command", ["to-hf", "from-hf"])
+def test_a_non_empty_output_directory_is_refused_and_left_as_it_was(tiny_checkpoint, tmp_path, capsys, command):
+    """A stale tokenizer.json in to-hf's folder would be what transformers loads; from-hf into a training run's
+    folder would rewrite its tracker: both stop before reading anything, with one line, and write nothing."""
+    out = tmp_path / "out"
+    out.mkdir()
+    stale = {"to-hf": "tokenizer.json", "from-hf": "latest_checkpointed_iteration.txt"}[command]
+    (out / stale).write_text("4")
+    argv = (["to-hf", "--load", tiny_checkpoint, "--output", out] if command == "to-hf"
+            else ["from-hf", tiny_checkpoint, "--save", out])  # refused before the folder is read
+    code, _, err = launch.run_main(convert_main, argv, capsys)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and f"{out} exists and is not empty" in lines[0], err
+    assert os.listdir(out) == [stale] and (out / stale).read_text() == "4"
+
+
 def test_to_hf_output_runs_in_the_transformers_pipeline(tiny_checkpoint, tmp_path):
     """to-hf writes config, weights and tokenizer files; transformers' fill-mask pipeline then gives the
     same tokens and probabilities as minibert's fill_mask."""
