@@ -148,9 +148,19 @@ def save(checkpoints_dir, iteration, state, rank_state: dict, distributed_optimi
 
 # ---- load ----
 def read_tracker(checkpoints_dir: str):
-    """The iteration named by the tracker file, or None (with a warning) when there is none."""
+    """The iteration named by the tracker file, or None (with a warning) when there is none: the directory is
+    missing, empty, or holds only what a first save cut short leaves (iter_* folders, hidden temporary
+    files), as Megatron's `--save X --load X` first launch expects. Any other file there means --load names
+    something that is not a checkpoint directory: UsageError, rather than a run that trains from scratch."""
     path = tracker_path(checkpoints_dir)
     if not os.path.isfile(path):
+        entries = sorted(os.listdir(checkpoints_dir)) if os.path.isdir(checkpoints_dir) else []
+        foreign = [e for e in entries if not (e.startswith(".") or e == RELEASE or e == "vocab.txt"
+                                              or (e.startswith("iter_") and e[5:].isdigit()))]
+        if foreign:
+            raise UsageError(f"{checkpoints_dir} holds files but no checkpoint (no {TRACKER_FILENAME}; it holds "
+                             f"{', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''}): point --load at a "
+                             "directory written by --save, or at a missing or empty one to start from scratch")
         print(f"warning: no checkpoint tracker {path}; starting from scratch", file=sys.stderr, flush=True)
         return None
     with open(path) as f:

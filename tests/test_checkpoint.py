@@ -85,10 +85,27 @@ def test_crash_mid_save_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
     assert checkpoint.read_tracker(save) == 1
 
 
-def test_missing_tracker_warns_and_starts_fresh(tmp_path, capsys):
+def test_missing_tracker_warns_and_starts_fresh_unless_the_folder_holds_something_else(tmp_path, capsys):
+    """Megatron's first launch (`--save X --load X`): a missing or empty X, or one holding only what a first
+    save cut short leaves behind, starts from scratch with one warning. A folder holding anything else is
+    not a checkpoint directory (a mistyped --load): one line, exit 2, instead of training from scratch."""
     assert checkpoint.load_checkpoint(str(tmp_path)) is None
-    assert "warning" in capsys.readouterr().err
+    assert "warning: no checkpoint tracker" in capsys.readouterr().err
     assert checkpoint.load_checkpoint(str(tmp_path / "does-not-exist")) is None
+    cut_short = tmp_path / "first-save-killed"
+    (cut_short / "iter_0000001" / "mp_rank_00").mkdir(parents=True)
+    (cut_short / "iter_0000001" / "mp_rank_00" / ".model_optim_rng.pt.tmp-host-1-abc").write_bytes(b"half")
+    assert checkpoint.load_checkpoint(str(cut_short)) is None
+    capsys.readouterr()
+    for stray in ("corpus_text_sentence.bin", "config.json"):  # data, or an export folder
+        other = tmp_path / stray.split(".")[0]
+        other.mkdir()
+        (other / stray).write_bytes(b"x")
+        with pytest.raises(SystemExit) as exit_info:
+            exit_on_usage_error(checkpoint.load_checkpoint)(str(other))
+        err = capsys.readouterr().err.strip().splitlines()
+        assert exit_info.value.code == 2 and len(err) == 1 and "holds files but no checkpoint" in err[0], err
+        assert stray in err[0] and str(other) in err[0]
 
 
 def write_tracker(save, text):
