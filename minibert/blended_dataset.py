@@ -60,6 +60,9 @@ def parse_data_path(data_path):
                              "leave a corpus out instead of giving it weight 0)")
         weights.append(value)
         prefixes.append(prefix.strip())
+    if not math.isfinite(sum(weights)):  # they are normalized by their sum
+        raise UsageError(f"{FORM} (the weights {' '.join(items[::2])} add up to more than a float holds: "
+                         "give them on a smaller scale, e.g. fractions that add up to 1)")
     return prefixes, weights
 
 

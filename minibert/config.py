@@ -236,7 +236,8 @@ def parse_split(split: str) -> list:
         weights = [float(w) for w in split.replace(",", " ").split()]
     except ValueError:
         raise UsageError(f"--split {split!r} is not a list of numbers: use e.g. --split 969,30,1")
-    if not 1 <= len(weights) <= 3 or any(w < 0 for w in weights) or sum(weights) <= 0:
+    if not 1 <= len(weights) <= 3 or not all(math.isfinite(w) and w >= 0 for w in weights) or \
+            not 0 < sum(weights) < math.inf:
         raise UsageError(f"--split {split!r}: give up to three non-negative weights with a positive sum, "
                          "e.g. --split 969,30,1")
     return weights + [0.0] * (3 - len(weights))

@@ -228,23 +228,27 @@ def _from_hf_state(weights: dict, model: BertModel, hf_dir: str, keep=()) -> dic
     cfg = model.config
     used, state = set(), {}
 
-    def take(hf_key):
+    def take(hf_key, shape):
         if hf_key not in weights:
             raise UsageError(f"{hf_dir}: weight {hf_key} is missing; convert a complete BERT checkpoint "
                              "written by save_pretrained")
+        if tuple(weights[hf_key].shape) != tuple(shape):
+            raise UsageError(f"{hf_dir}: {hf_key} has shape {list(weights[hf_key].shape)} where config.json's sizes "
+                             f"give {list(shape)}: the config does not describe these weights")
         used.add(hf_key)
         return weights[hf_key]
 
     for name, ours in model.state_dict().items():
         if name.split(".")[0] in keep:
             state[name] = ours
-        elif QKV in name:
-            state[name] = fuse_qkv(*[take(k) for k in qkv_hf_names(name)], cfg.num_attention_heads)
+        elif QKV in name:  # three [h, ...] parts of our fused [3h, ...]
+            part = (ours.shape[0] // 3, *ours.shape[1:])
+            state[name] = fuse_qkv(*[take(k, part) for k in qkv_hf_names(name)], cfg.num_attention_heads)
         elif name in PADDED_VOCAB:
-            theirs = take(hf_name(name, cfg.post_ln))
+            theirs = take(hf_name(name, cfg.post_ln), (cfg.vocab_size, *ours.shape[1:]))
             state[name] = torch.cat([theirs, theirs.new_zeros(ours.shape[0] - theirs.shape[0], *theirs.shape[1:])])
         else:
-            state[name] = take(hf_name(name, cfg.post_ln))
+            state[name] = take(hf_name(name, cfg.post_ln), ours.shape)
     decoder = weights.get("cls.predictions.decoder.weight")
     if decoder is not None and not torch.equal(decoder, weights["bert.embeddings.word_embeddings.weight"]):
         raise UsageError(f"{hf_dir}: the LM decoder is not tied to the word embeddings; minibert ties them")

@@ -7,6 +7,8 @@ first problem it finds. It needs no process group, so every rank checks its flag
 collective, and a bad layout exits 2 instead of hanging. minibert.plan lists every layout problem at
 once and then asks this function about the rest (it refuses exactly what this refuses). Megatron-LM's
 counterpart is `validate_args` in megatron/training/arguments.py, one assert at a time."""
+import math
+import os
 import sys
 
 from minibert.config import PRESETS, Config, _flag_name, parse_split
@@ -15,6 +17,47 @@ from minibert.errors import UsageError
 
 def _warn(message):
     print(f"warning: {message}", file=sys.stderr, flush=True)
+
+
+# Every numeric flag and the values it may take, checked once, first: (lowest, highest, "[" or "(" for
+# each end: included or not); None = no bound. A flag left at None (not given, no default) is not checked.
+POSITIVE, AT_LEAST_0 = (0, None, "(", ")"), (0, None, "[", ")")
+PROBABILITY, BELOW_1 = (0, 1, "[", "]"), (0, 1, "[", ")")
+RANGES = {
+    **dict.fromkeys(["num_layers", "hidden_size", "num_attention_heads", "seq_length", "max_position_embeddings",
+                     "ffn_hidden_size", "make_vocab_size_divisible_by", "layernorm_epsilon", "init_method_std",
+                     "recompute_num_layers", "tensor_model_parallel_size", "pipeline_model_parallel_size",
+                     "num_layers_per_virtual_pipeline_stage", "decoder_first_pipeline_num_layers",
+                     "decoder_last_pipeline_num_layers", "distributed_timeout_minutes", "ddp_bucket_size",
+                     "micro_batch_size", "global_batch_size", "train_iters", "lr_decay_iters", "adam_eps",
+                     "initial_loss_scale", "min_loss_scale", "loss_scale_window", "hysteresis", "save_interval",
+                     "exit_interval", "eval_interval", "log_interval", "profile_step_end"], POSITIVE),
+    **dict.fromkeys(["lr", "min_lr", "lr_warmup_iters", "weight_decay", "clip_grad", "eval_iters", "num_workers",
+                     "profile_step_start"], AT_LEAST_0),  # --clip-grad 0: no clipping
+    **dict.fromkeys(["hidden_dropout", "attention_dropout", "adam_beta1", "adam_beta2"], BELOW_1),
+    **dict.fromkeys(["lr_warmup_fraction", "short_seq_prob", "mask_prob"], PROBABILITY),
+    "seed": (0, 2 ** 32 - 1, "[", "]"),  # numpy's generators take seeds in [0, 2^32)
+}
+
+
+def check_ranges(cfg: Config):
+    """UsageError for the first numeric flag outside its range (RANGES), NaN and infinities included."""
+    for name, (low, high, left, right) in RANGES.items():
+        value = getattr(cfg, name)
+        if value is None:
+            continue
+        inside = math.isfinite(value) and (low is None or value > low or (left == "[" and value == low)) and \
+            (high is None or value < high or (right == "]" and value == high))
+        if inside:
+            continue
+        if (low, high, left) == (0, None, "("):
+            rule = "must be positive"
+        elif high is None:
+            rule = f"must be at least {low}"
+        else:
+            rule = f"must be in {left}{low}, {high}{right}"
+        raise UsageError(f"{_flag_name(name)} {value} {rule}" +
+                         (" (0 disables clipping)" if name == "clip_grad" else ""))
 
 
 def validate(cfg: Config, world_size: int = 1, device_type: str = "cpu", warn=_warn) -> Config:
@@ -31,10 +74,7 @@ def validate(cfg: Config, world_size: int = 1, device_type: str = "cpu", warn=_w
                  "micro_batch_size", "train_iters", "lr"]:
         if getattr(cfg, name) is None:
             raise UsageError(f"{_flag_name(name)} is required")
-    for name in ["num_layers", "hidden_size", "num_attention_heads", "seq_length",
-                 "micro_batch_size", "train_iters", "log_interval", "eval_interval"]:
-        if getattr(cfg, name) <= 0:
-            raise UsageError(f"{_flag_name(name)} must be positive")
+    check_ranges(cfg)
     if cfg.hidden_size % cfg.num_attention_heads:
         raise UsageError(f"--hidden-size {cfg.hidden_size} must be divisible by "
                          f"--num-attention-heads {cfg.num_attention_heads}")
@@ -43,6 +83,11 @@ def validate(cfg: Config, world_size: int = 1, device_type: str = "cpu", warn=_w
                          f"{cfg.max_positions}: raise --max-position-embeddings or lower --seq-length")
     if cfg.fp16 and cfg.bf16:
         raise UsageError("--fp16 and --bf16 are exclusive: pick one")
+    if cfg.min_lr > cfg.lr:
+        raise UsageError(f"--min-lr {cfg.min_lr} must be at most --lr {cfg.lr} (the LR decays to it)")
+    if cfg.min_loss_scale > cfg.initial_loss_scale:
+        raise UsageError(f"--min-loss-scale {cfg.min_loss_scale} must be at most --initial-loss-scale "
+                         f"{cfg.initial_loss_scale}")
     if cfg.lr_warmup_fraction is not None and cfg.lr_warmup_iters:
         raise UsageError("--lr-warmup-fraction and --lr-warmup-iters are exclusive: pick one")
     parse_split(cfg.split)
@@ -53,8 +98,6 @@ def validate(cfg: Config, world_size: int = 1, device_type: str = "cpu", warn=_w
     if cfg.recompute_granularity == "full" and cfg.recompute_method is None:
         raise UsageError("--recompute-granularity full needs --recompute-method uniform or block "
                          "(and --recompute-num-layers, default 1)")
-    if cfg.recompute_num_layers is not None and cfg.recompute_num_layers <= 0:
-        raise UsageError(f"--recompute-num-layers {cfg.recompute_num_layers} must be positive")
     if cfg.global_batch_size is None:
         cfg.global_batch_size = cfg.micro_batch_size * cfg.data_parallel_size
     if cfg.global_batch_size % (cfg.micro_batch_size * cfg.data_parallel_size):
@@ -73,14 +116,10 @@ def validate(cfg: Config, world_size: int = 1, device_type: str = "cpu", warn=_w
         raise UsageError(f"the LR warmup ({warmup_iters:g} iterations) must be shorter than --lr-decay-iters "
                          f"{cfg.lr_decay_iters}: lower --lr-warmup-iters / --lr-warmup-fraction or raise "
                          "--lr-decay-iters")
-    if cfg.distributed_timeout_minutes <= 0:
-        raise UsageError(f"--distributed-timeout-minutes {cfg.distributed_timeout_minutes} must be positive "
-                         "(e.g. 10, or 0.1 for 6 seconds)")
-    if cfg.ddp_bucket_size is not None and cfg.ddp_bucket_size <= 0:
-        raise UsageError(f"--ddp-bucket-size {cfg.ddp_bucket_size} must be positive (gradient elements)")
     if cfg.compile_layers and cfg.tensor_model_parallel_size > 1:
         raise UsageError("--compile-layers compiles one rank's whole layers; tensor-parallel layers communicate "
                          "inside them: use it with --tensor-model-parallel-size 1")
+    _validate_save(cfg)
     _validate_for_device(cfg, device_type, warn)
     _validate_cuda_graph(cfg, device_type, warn)
     from minibert.tokenizer import build_tokenizer  # the vocab's size sizes the embedding
@@ -121,6 +160,19 @@ def _validate_layout(cfg: Config, world_size: int, warn):
         if getattr(cfg, name) % tp:
             flag = "--ffn-hidden-size" if name == "ffn_size" else _flag_name(name)
             raise UsageError(f"{flag} {getattr(cfg, name)} must be divisible by --tensor-model-parallel-size {tp}")
+
+
+def _validate_save(cfg: Config):
+    """--save must be a directory this process can create or write, known before any training time is spent."""
+    if cfg.save is None:
+        return
+    if os.path.exists(cfg.save) and not os.path.isdir(cfg.save):
+        raise UsageError(f"--save {cfg.save} is a file, not a directory: name a directory for the checkpoints")
+    existing = os.path.abspath(cfg.save)
+    while not os.path.exists(existing):  # the nearest folder that exists: the checkpoints go under it
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
+        raise UsageError(f"--save {cfg.save}: cannot write under {existing}: name a directory you can write")
 
 
 def _validate_for_device(cfg: Config, device_type: str, warn):

@@ -118,6 +118,18 @@ def test_a_non_empty_output_directory_is_refused_and_left_as_it_was(tiny_checkpo
     assert os.listdir(out) == [stale] and (out / stale).read_text() == "4"
 
 
+def test_from_hf_of_a_config_that_does_not_describe_its_weights_is_one_line(tiny_checkpoint, tmp_path, capsys):
+    import json
+    out = tmp_path / "hf"
+    assert launch.run_main(convert_main, ["to-hf", "--load", tiny_checkpoint, "--output", out], capsys)[0] == 0
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, "intermediate_size": 4 * config["intermediate_size"]}))
+    code, _, err = launch.run_main(convert_main, ["from-hf", out, "--save", tmp_path / "back"], capsys)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and "config.json's sizes give" in lines[0], err
+    assert not (tmp_path / "back").exists()
+
+
 def test_to_hf_output_runs_in_the_transformers_pipeline(tiny_checkpoint, tmp_path):
     """to-hf writes config, weights and tokenizer files; transformers' fill-mask pipeline then gives the
     same tokens and probabilities as minibert's fill_mask."""

@@ -240,7 +240,7 @@ def test_a_plan_needs_no_training_flags_and_gives_the_days_when_told_the_iterati
     code, out, err = run_plan(capsys, *shape, "--train-iters", 1000)
     assert code == 0 and "--train-iters 1000: " in out and "days at that rate" in out, err
     code, out, err = run_plan(capsys, *shape, "--train-iters", 0)
-    assert code == 2 and "--train-iters must be positive" in err
+    assert code == 2 and "--train-iters 0 must be positive" in err
 
 
 @pytest.mark.parametrize("argv, message", [(["--mfu", "1.5"], "--mfu must be at most 1"),
