@@ -46,7 +46,6 @@ import torch
 from torch.optim.adamw import adamw as pytorch_adamw  # the functional form (update() says why)
 import torch.distributed as dist
 
-from minibert.kernels import adamw as adamw_kernel
 from minibert.loss_scale import DynamicLossScaler
 from minibert.parallel.data_parallel import DataParallelGrads, finalize_gradients
 from minibert.parallel.state import ParallelState
@@ -221,6 +220,7 @@ class MixedPrecisionOptimizer:
             for shard in self.shards:
                 shard.copy_back()
             return
+        from minibert.kernels import adamw as adamw_kernel  # here: Triton is imported only where a kernel runs
         group = self.param_groups[0]  # the decayed parameters' group (if none, no chunk is decayed)
         for shard in self.shards:
             if shard.table is None:

@@ -178,11 +178,15 @@ def test_unknown_flag_exits_2_from_the_command_line(data):
     assert len(lines) == 1 and "--no-such-flag" in lines[0]
 
 
-def test_fp16_on_cpu_warns_once_and_runs_fp32(data):
+def test_fp16_on_cpu_warns_once_and_runs_fp32(data, tmp_path):
+    """The CPU path on a laptop: --fp16 falls back to fp32 with one warning, and the first run has Triton made
+    unimportable (no wheel outside Linux): the trainer imports it only where a kernel runs."""
     args = tiny_args(data, "--train-iters", 3, "--log-interval", 1, "--eval-iters", 0, "--fp16",
                      "--save", data["dir"] / "fp16")
     args.remove("--distributed-backend"), args.remove("gloo"), args.remove("--num-workers"), args.remove("0")
-    result = run_cli(args)  # defaults the user did not pass (backend, workers) are not warned about
+    (tmp_path / "triton").mkdir()
+    (tmp_path / "triton" / "__init__.py").write_text('raise ImportError("no Triton here (the test hides it)")\n')
+    result = run_cli(args, env_extra={"PYTHONPATH": str(tmp_path)})  # defaults not passed are not warned about
     assert result.returncode == 0, result.stderr
     warnings = [line for line in result.stderr.splitlines() if line.startswith("warning:")]
     assert len(warnings) == 1 and "--fp16" in warnings[0], warnings
