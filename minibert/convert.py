@@ -47,6 +47,7 @@ reads and writes the safetensors format itself."""
 import argparse
 import json
 import os
+import re
 import sys
 
 import torch
@@ -126,10 +127,49 @@ def split_qkv(qkv, heads):
 
 
 # ---- minibert -> HF ----
-def to_hf(model: BertModel, out_dir: str, tokenizer=None) -> None:
-    """Write config.json + model.safetensors that transformers' from_pretrained loads (BertForPreTraining
-    for post-LN, MegatronBertForPreTraining for pre-LN; *ForMaskedLM without the SOP head). With a
-    tokenizer (minibert.tokenizer.BertWordPieceTokenizer), also the files AutoTokenizer reads."""
+MAX_SHARD_SIZE = 5 * 10 ** 9  # transformers' own default for save_pretrained ("5GB")
+
+
+def parse_size(text: str) -> int:
+    """'5GB' -> 5 * 10^9 bytes, '200MiB' -> 200 * 2^20, '1000' -> 1000 (transformers' notation)."""
+    units = {None: 1, "KB": 10 ** 3, "MB": 10 ** 6, "GB": 10 ** 9, "KIB": 2 ** 10, "MIB": 2 ** 20, "GIB": 2 ** 30}
+    match = re.fullmatch(r"\s*(\d+(?:\.\d*)?)\s*([KMG]I?B)?\s*", text, re.IGNORECASE)
+    size = int(float(match[1]) * units[match[2] and match[2].upper()]) if match else 0
+    if size <= 0:
+        raise UsageError(f"--max-shard-size {text!r}: give a size such as 5GB, 500MB or 2GiB")
+    return size
+
+
+def write_weights(out_dir: str, tensors: dict, max_shard_size: int = MAX_SHARD_SIZE) -> list:
+    """model.safetensors, or, above max_shard_size bytes, shards model-0000k-of-0000n.safetensors (each up to
+    the limit, in the model's order; a larger tensor gets a shard of its own) and the index that maps each
+    name to its shard, written last (transformers' format for large models). Returns the files written."""
+    sizes = {name: t.numel() * t.element_size() for name, t in tensors.items()}
+    if sum(sizes.values()) <= max_shard_size:
+        write_safetensors(os.path.join(out_dir, "model.safetensors"), tensors)
+        return ["model.safetensors"]
+    shards, current, filled = [], {}, 0
+    for name, t in tensors.items():
+        if current and filled + sizes[name] > max_shard_size:
+            shards.append(current)
+            current, filled = {}, 0
+        current[name] = t
+        filled += sizes[name]
+    shards.append(current)
+    files = [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))]
+    for file, shard in zip(files, shards):
+        write_safetensors(os.path.join(out_dir, file), shard)
+    _write_json(os.path.join(out_dir, "model.safetensors.index.json"),
+                {"metadata": {"total_size": sum(sizes.values())},
+                 "weight_map": {name: file for file, shard in zip(files, shards) for name in shard}})
+    return files + ["model.safetensors.index.json"]
+
+
+def to_hf(model: BertModel, out_dir: str, tokenizer=None, max_shard_size: int = MAX_SHARD_SIZE) -> list:
+    """Write config.json + the weights that transformers' from_pretrained loads (BertForPreTraining for
+    post-LN, MegatronBertForPreTraining for pre-LN; *ForMaskedLM without the SOP head): model.safetensors,
+    or shards and their index above max_shard_size bytes. With a tokenizer
+    (minibert.tokenizer.BertWordPieceTokenizer), also the files AutoTokenizer reads. Returns the files."""
     require_new_directory(out_dir, "--output")
     cfg = model.config
     tensors = {}
@@ -153,17 +193,19 @@ def to_hf(model: BertModel, out_dir: str, tokenizer=None) -> None:
         "pad_token_id": 0, "tie_word_embeddings": True,
     }
     os.makedirs(out_dir, exist_ok=True)
-    write_safetensors(os.path.join(out_dir, "model.safetensors"), tensors)
+    files = ["config.json"] + write_weights(out_dir, tensors, max_shard_size)
     _write_json(os.path.join(out_dir, "config.json"), hf_config)
-    if tokenizer is not None:
-        # one token per line, in id order, exactly the model's vocab_size rows (HF's BertTokenizer reads ids
-        # from line numbers); Megatron's [BOS]/[EOS] stay when the model was trained with them
-        tokens = [tokenizer.inv_vocab[i] for i in range(cfg.vocab_size)]
-        atomic_write_bytes(os.path.join(out_dir, "vocab.txt"), ["".join(t + "\n" for t in tokens).encode()])
-        _write_json(os.path.join(out_dir, "tokenizer_config.json"), {
-            "tokenizer_class": "BertTokenizer", "do_lower_case": tokenizer.lower_case,
-            "model_max_length": cfg.max_positions, **SPECIAL_TOKENS})
-        _write_json(os.path.join(out_dir, "special_tokens_map.json"), SPECIAL_TOKENS)
+    if tokenizer is None:
+        return files
+    # one token per line, in id order, exactly the model's vocab_size rows (HF's BertTokenizer reads ids
+    # from line numbers); Megatron's [BOS]/[EOS] stay when the model was trained with them
+    tokens = [tokenizer.inv_vocab[i] for i in range(cfg.vocab_size)]
+    atomic_write_bytes(os.path.join(out_dir, "vocab.txt"), ["".join(t + "\n" for t in tokens).encode()])
+    _write_json(os.path.join(out_dir, "tokenizer_config.json"), {
+        "tokenizer_class": "BertTokenizer", "do_lower_case": tokenizer.lower_case,
+        "model_max_length": cfg.max_positions, **SPECIAL_TOKENS})
+    _write_json(os.path.join(out_dir, "special_tokens_map.json"), SPECIAL_TOKENS)
+    return files + ["vocab.txt", "tokenizer_config.json", "special_tokens_map.json"]
 
 
 # ---- HF -> minibert ----
@@ -307,12 +349,12 @@ def hf_to_checkpoint(hf_dir: str, save_dir: str) -> str:
     return save_weights(save_dir, model, cfg)
 
 
-def checkpoint_to_hf(load_dir: str, out_dir: str) -> None:
+def checkpoint_to_hf(load_dir: str, out_dir: str, max_shard_size: int = MAX_SHARD_SIZE) -> list:
     """to-hf: a minibert checkpoint directory -> OUT with config, weights and tokenizer files."""
     from minibert.fill_mask import load_checkpoint_model, tokenizer_for_checkpoint
     require_new_directory(out_dir, "--output")  # before the checkpoint is read
     model, cfg = load_checkpoint_model(load_dir)
-    to_hf(model, out_dir, tokenizer=tokenizer_for_checkpoint(load_dir, cfg))
+    return to_hf(model, out_dir, tokenizer=tokenizer_for_checkpoint(load_dir, cfg), max_shard_size=max_shard_size)
 
 
 @exit_on_usage_error
@@ -323,14 +365,15 @@ def main(argv=None):
     to = commands.add_parser("to-hf", help="a minibert checkpoint -> a HuggingFace model folder")
     to.add_argument("--load", required=True, help="checkpoint directory (train.py --save, or from-hf --save)")
     to.add_argument("--output", required=True, help="folder for config.json, model.safetensors, vocab.txt, ...")
+    to.add_argument("--max-shard-size", default="5GB", help="above this, the weights go into shards of up to this "
+                    "size with model.safetensors.index.json, as save_pretrained writes them (default 5GB)")
     back = commands.add_parser("from-hf", help="a HuggingFace BERT folder -> minibert released weights")
     back.add_argument("hf_dir", help="a folder written by save_pretrained (config.json + weights)")
     back.add_argument("--save", required=True, help="checkpoint directory to write (release/ + tracker)")
     args = parser.parse_args(argv)
     if args.command == "to-hf":
-        checkpoint_to_hf(args.load, args.output)
-        print(f"wrote {args.output}: config.json, model.safetensors, vocab.txt, tokenizer_config.json, "
-              "special_tokens_map.json")
+        files = checkpoint_to_hf(args.load, args.output, parse_size(args.max_shard_size))
+        print(f"wrote {args.output}: {', '.join(files)}")
     else:
         path = hf_to_checkpoint(args.hf_dir, args.save)
         print(f"wrote {path}")

@@ -130,6 +130,42 @@ def test_from_hf_of_a_config_that_does_not_describe_its_weights_is_one_line(tiny
     assert not (tmp_path / "back").exists()
 
 
+def test_a_large_export_is_sharded_with_an_index_that_transformers_and_from_hf_read(tiny_checkpoint, tmp_path,
+                                                                                       capsys):
+    """Above --max-shard-size the weights go into shards (model-0000k-of-0000n.safetensors, each within the
+    limit unless one tensor alone is larger) and model.safetensors.index.json, as save_pretrained writes
+    them: transformers loads the same weights as from the one-file export, and from-hf reads them back."""
+    transformers = pytest.importorskip("transformers")
+    import json
+    from minibert.safetensors_format import read_safetensors
+    whole, sharded = tmp_path / "whole", tmp_path / "sharded"
+    assert launch.run_main(convert_main, ["to-hf", "--load", tiny_checkpoint, "--output", whole], capsys)[0] == 0
+    code, out, err = launch.run_main(convert_main, ["to-hf", "--load", tiny_checkpoint, "--output", sharded,
+                                                    "--max-shard-size", "1MB"], capsys)
+    assert code == 0, err
+    index = json.loads((sharded / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) >= 2 and files == sorted(f for f in os.listdir(sharded) if f.startswith("model-"))
+    assert not (sharded / "model.safetensors").exists() and "model.safetensors.index.json" in out
+    one = read_safetensors(str(whole / "model.safetensors"))
+    parts = {f: read_safetensors(str(sharded / f)) for f in files}
+    assert {name: f for f, tensors in parts.items() for name in tensors} == index["weight_map"]
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in one.values())
+    for tensors in parts.values():  # within the limit, but for a lone larger tensor (the word table)
+        assert len(tensors) == 1 or sum(t.numel() * t.element_size() for t in tensors.values()) <= 10 ** 6
+        assert all(torch.equal(t, one[name]) for name, t in tensors.items())
+    a = transformers.AutoModelForMaskedLM.from_pretrained(str(whole)).state_dict()
+    b = transformers.AutoModelForMaskedLM.from_pretrained(str(sharded)).state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    code, _, err = launch.run_main(convert_main, ["from-hf", sharded, "--save", tmp_path / "back"], capsys)
+    assert code == 0, err
+    original, back = load_model(tiny_checkpoint)[0].state_dict(), load_model(str(tmp_path / "back"))[0].state_dict()
+    assert all(torch.equal(original[k], back[k]) for k in original)
+    assert "--max-shard-size 'big'" in launch.run_main(convert_main, ["to-hf", "--load", tiny_checkpoint, "--output",
+                                                                      tmp_path / "x", "--max-shard-size", "big"],
+                                                       capsys)[2]
+
+
 def test_to_hf_output_runs_in_the_transformers_pipeline(tiny_checkpoint, tmp_path):
     """to-hf writes config, weights and tokenizer files; transformers' fill-mask pipeline then gives the
     same tokens and probabilities as minibert's fill_mask."""
