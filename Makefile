@@ -24,12 +24,14 @@ setup:
 # train-small: chapter 2's 4-layer BERT on the default real-English corpus (GPU if present, else CPU).
 # On a GPU it trains in bf16 (what every GPU time in the chapters uses), each micro-batch replayed as a
 # CUDA graph (--cuda-graph-impl local, chapter 8 section 4.13; TRAIN_SMALL_ARGS="--cuda-graph-impl none"
-# runs it eagerly); on a CPU in fp32.
+# runs it eagerly); on a CPU in fp32. Each run starts over: it removes the last run's checkpoints and
+# TensorBoard files (the trainer itself never writes over checkpoints it did not make).
 OUT := runs/train-small
 TRAIN_SMALL_ARGS ?=
 train-small:
 	@set -e; PY=$$($(call python_for,$(RUN_IMPORTS),requirements.txt)); mkdir -p $(OUT); \
 	set -x; \
+	rm -rf $(OUT)/checkpoints $(OUT)/tensorboard; \
 	$$PY -m minibert.corpus --output $(OUT)/corpus.txt; \
 	$$PY minibert/preprocess.py --input $(OUT)/corpus.txt --output-prefix $(OUT)/corpus \
 	    --vocab-file minibert/vocab/bert-base-uncased-vocab.txt --tokenizer-type BertWordPieceLowerCase \

@@ -171,6 +171,8 @@ class Config:
     # ---- checkpoints, evaluation, logging ----
     save: str = _flag(None, "directory for checkpoints")
     load: str = _flag(None, "directory to resume from")
+    overwrite_save: bool = _flag(False, "start over in a --save directory that holds another run's checkpoints: "
+                                 "delete them first (without it such a run exits 2 before training)")
     save_interval: int = _flag(None, "save every this many iterations (and at the end)")
     exit_interval: int = _flag(None, "stop (after saving) when iteration % this == 0")
     eval_interval: int = _flag(1000, "evaluate on the validation split every this many iterations")

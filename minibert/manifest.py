@@ -25,11 +25,16 @@ class HashingWriter:
 
     def __init__(self, f):
         self.f, self.sha256, self.bytes = f, hashlib.sha256(), 0
+        self.error = None  # the OSError of a failed write (torch.save reports it as a RuntimeError of its own)
 
     def write(self, data):
         self.sha256.update(data)
         self.bytes += len(data)
-        return self.f.write(data)
+        try:
+            return self.f.write(data)
+        except OSError as e:
+            self.error = e
+            raise
 
     def flush(self):
         self.f.flush()

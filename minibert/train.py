@@ -198,7 +198,9 @@ def train(cfg, on_log=None, device=None) -> TrainResult:
     every log record: kind "train" (one per --log-interval), "validation" or "test"."""
     state = setup(cfg, device)
     faults.register(state)
+    lock = None
     try:
+        lock = checkpoint.claim(cfg, state)  # --save: this run's alone (a lock) before anything is written
         result = _train(cfg, state, on_log)
     except UsageError as e:  # a mistake every rank meets prints on every rank; one rank's is recorded too
         faults.record(state, e)
@@ -207,6 +209,8 @@ def train(cfg, on_log=None, device=None) -> TrainResult:
         if state.world_size == 1:
             raise
         faults.handle(state, e, cfg.distributed_timeout_minutes)  # one line per rank, exit 1: never a hang
+    finally:
+        checkpoint.unlock_directory(lock)
     state.destroy()
     return result
 

@@ -11,6 +11,7 @@ import math
 import os
 import sys
 
+from minibert.checkpoint import check_save_owner
 from minibert.config import PRESETS, Config, _flag_name, parse_split
 from minibert.errors import UsageError
 
@@ -173,6 +174,7 @@ def _validate_save(cfg: Config):
         existing = os.path.dirname(existing)
     if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
         raise UsageError(f"--save {cfg.save}: cannot write under {existing}: name a directory you can write")
+    check_save_owner(cfg.save, cfg.load, cfg.finetune, cfg.overwrite_save)
 
 
 def _validate_for_device(cfg: Config, device_type: str, warn):

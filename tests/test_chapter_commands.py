@@ -273,6 +273,22 @@ def test_every_test_the_text_names_exists():
     assert named and not missing, "\n".join(missing)
 
 
+def test_every_training_run_in_the_text_can_run_twice():
+    """A learner runs a block again: a training command with --save D then meets its own checkpoints in D,
+    which the trainer refuses to write over unless the run resumes from them (--load D), starts over
+    (--overwrite-save), or the block removes D first (rm -rf D before the command)."""
+    for path in DOCUMENTS:
+        for line, text, _ in runnable_blocks(path):
+            removed = []
+            for command in commands(text):
+                removed += [word for m in re.finditer(r"\brm -rf ([^;&|\n]+)", command) for word in m[1].split()]
+                save, load = (re.search(rf"{flag}[ =](\S+)", command) for flag in ("--save", "--load"))
+                if "minibert/train.py" not in command or save is None or "--overwrite-save" in command:
+                    continue
+                assert (load and load[1] == save[1]) or any(f"{save[1]}/".startswith(f"{r}/") for r in removed), \
+                    f"{path}:{line}: --save {save[1]} would refuse a second run: rm -rf it first in the block"
+
+
 @pytest.mark.parametrize("relative_path", [d for d in DOCUMENTS if d.startswith("chapters")])
 def test_chapter_shape(relative_path):
     """Each chapter opens with what you will learn and the tools it needs, and has a "Run it now"

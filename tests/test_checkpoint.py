@@ -1,6 +1,7 @@
 """minibert.checkpoint: Megatron's layout, weights_only loading, atomic writes, clear errors."""
 import os
 import random
+import socket
 
 import numpy as np
 import pytest
@@ -167,3 +168,21 @@ def test_model_shape_mismatch_is_a_usage_error(tmp_path):
     with pytest.raises(UsageError, match="--hidden-size 16"):
         resume.restore_training_state(checkpoint.load_checkpoint(str(tmp_path)), cfg2, model2,
                                           optimizer2, scheduler2)
+
+
+def test_a_lock_from_another_host_or_unreadable_is_reported_with_the_file_to_delete(tmp_path):
+    """This host cannot tell whether another host's process lives: the lock stays, and the one line names the
+    file to delete. (The same-host cases, live and dead, run through the trainer in tests/test_train_safety.py.)"""
+    lock = tmp_path / checkpoint.LOCK_FILENAME
+    for text, named in (("node-17 4242\n", "process 4242 on host node-17"), ("", "an unreadable lock")):
+        lock.write_text(text)
+        with pytest.raises(UsageError) as info:
+            checkpoint.lock_directory(str(tmp_path))
+        assert named in str(info.value) and f"delete {lock}" in str(info.value) and lock.read_text() == text
+    lock.unlink()
+    path = checkpoint.lock_directory(str(tmp_path))
+    assert lock.read_text().split() == [socket.gethostname(), str(os.getpid())]
+    checkpoint.unlock_directory(path)
+    assert not lock.exists()
+    with pytest.raises(UsageError, match="--overwrite-save would delete the checkpoints --load"):
+        checkpoint.check_save_owner(str(tmp_path), str(tmp_path), overwrite_save=True)

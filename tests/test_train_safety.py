@@ -4,6 +4,8 @@ refuses another sample stream, fine-tuning from weights, and one atomic writer f
 import glob
 import os
 import socket
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -141,6 +143,61 @@ def test_finetune_and_released_weights_start_at_iteration_0(tiny_data, two_itera
     optim_only = launch.run(1, args(tiny_data, "--train-iters", 3, "--bf16", "--load", two_iterations,
                                     "--no-load-optim", "--no-load-rng"))
     assert optim_only.returncode == 0 and "at iteration 2" in optim_only.stdout, optim_only.stderr
+
+
+def test_a_save_directory_belongs_to_one_run_and_a_failed_save_leaves_nothing(tiny_data, two_iterations, tmp_path,
+                                                                                capsys):
+    """--save holds one run's work. A run that does not resume from it refuses to write there (a mistyped
+    --load, a second job given the same --save); a live run's lock turns a concurrent launch away, and a
+    dead one's is taken over; a save that fails (a full disk, here a file-size limit) leaves no directory
+    and no temporary file; a killed save's temporary file goes when the next run starts; --overwrite-save
+    starts over."""
+    import shutil
+    from tests.test_faults import kill_the_whole_job
+    save = tmp_path / "ckpt"
+    shutil.copytree(two_iterations, save)
+    tracker = save / checkpoint.TRACKER_FILENAME
+    for extra in ([], ["--load", tmp_path / "ckpt-typo"], ["--load", save, "--finetune"]):
+        code, _, err = launch.run_main(train_main, args(tiny_data, "--train-iters", 4, "--bf16", "--save", save,
+                                                        *extra), capsys)
+        errors = launch.error_lines(err)
+        assert code == 2 and len(errors) == 1 and "another run's checkpoints" in errors[0], (extra, err)
+        assert "--overwrite-save" in errors[0] and tracker.read_text() == "2"
+    resume = args(tiny_data, "--bf16", "--load", save, "--save", save)
+    # a full disk: every write past half the size of the checkpoint file fails (EFBIG, as ENOSPC would)
+    limit = os.path.getsize(checkpoint.checkpoint_path(str(save), 2)) // 2
+
+    def small_files():
+        import resource
+        import signal
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write then fails with an error instead of a signal
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    full = subprocess.run([sys.executable, launch.TRAIN_PY, *resume, "--train-iters", "3"], capture_output=True,
+                          text=True, env=launch.env(), cwd=ROOT, timeout=launch.TIMEOUT, preexec_fn=small_files)
+    errors = launch.error_lines(full.stderr)
+    assert full.returncode == 2 and len(errors) == 1, full.stderr[-2000:]
+    assert "saving iteration 3" in errors[0] and "File too large" in errors[0], errors
+    assert sorted(os.listdir(save)) == ["iter_0000002", checkpoint.TRACKER_FILENAME] and tracker.read_text() == "2"
+    # two live runs: the second is turned away by the first's lock; the first is then killed mid-run
+    job = launch.Job([sys.executable, launch.TRAIN_PY, *resume, "--train-iters", "100000"])
+    job.wait_for(lambda line: "iteration        4/" in line)
+    code, _, err = launch.run_main(train_main, resume + ["--train-iters", "4"], capsys)
+    assert code == 2 and f"in use by process {job.process.pid} of this host" in err, err
+    kill_the_whole_job(job)
+    job.finish()
+    stale = save / "iter_0000002" / ".model_optim_rng.pt.tmp-host-1-0123abcd"  # what a save killed midway leaves
+    stale.write_bytes(b"x" * 10 ** 5)
+    after = launch.run(1, resume + ["--train-iters", "3"])
+    assert after.returncode == 0, after.stderr[-2000:]
+    assert f"process {job.process.pid}, which has ended; taking it over" in after.stderr
+    assert "removed 0.1 MB of temporary files" in after.stdout and not stale.exists()
+    assert tracker.read_text() == "3" and not (save / checkpoint.LOCK_FILENAME).exists()
+    again = launch.run(1, args(tiny_data, "--train-iters", 2, "--save-interval", 1, "--save", save,
+                               "--overwrite-save"))
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "--overwrite-save: deleted iter_0000002, iter_0000003, latest_checkpointed_iteration.txt" in again.stdout
+    assert sorted(os.listdir(save)) == ["iter_0000001", "iter_0000002", checkpoint.TRACKER_FILENAME]
+    assert checkpoint.read_args(str(save))["bf16"] is False  # this run's checkpoints, not the old run's
 
 
 def test_every_file_is_written_through_the_one_atomic_helper():
