@@ -42,11 +42,26 @@ rule-based sentence splitter instead of NLTK Punkt (no downloads; see sentence_s
 --append-eod is refused (BERT samples need no end-of-document token: Megatron's BERT tokenizer
 would append the [EOS] id it adds after vocab.txt's tokens, which BERT never trains on); no
 --partitions / --keep-newlines / --lang. Run it as a script or with -m: where worker processes must be
-spawned (see _start_method) they re-import the main module, which a script piped on stdin does not have."""
+spawned (see _start_method) they re-import the main module, which a script piped on stdin does not have.
+
+Stopping: SIGTERM (what `kill`, `timeout` and SLURM send) and SIGINT (Ctrl-C) end a run the same way:
+one line on stderr, no worker and no temporary file left, and exit code 128 + the signal's number, the
+shells' convention (143 for SIGTERM, 130 for SIGINT). main installs a handler that turns either signal
+into a `Stopped` exception in the main process, wherever it is waiting, so the clean-up an error gets
+runs: the builders delete their temporary files, and the pool is shut down with cancel_futures, its
+workers finishing the chunk or two they hold (a fraction of a second) before they exit. The workers
+themselves ignore both signals, though Ctrl-C, `timeout` and SLURM send them to every process: a worker
+killed while it sends a result back leaves half a message in the pipe, and the pool's thread waits for
+the rest for good (seen with `timeout`, which signals the whole group). Two steps of a few ms would
+leave a file behind if cut in the middle (creating the temporary files, renaming the pairs into place):
+there the signals wait until the step is over (_signals_held). Only SIGKILL, which no process can
+catch, leaves files and workers behind."""
 import collections
+import contextlib
 import json
 import multiprocessing
 import os
+import signal
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -73,6 +88,37 @@ from minibert.tokenizer import build_tokenizer  # noqa: E402
 CHUNK_BYTES = 1 << 18  # input per task: ~0.05 s of work, so 8 workers share even a few MB evenly
 IN_FLIGHT_PER_WORKER = 4  # chunks queued per worker: keeps workers busy, bounds memory
 JSON_EXTENSIONS = (".json", ".jsonl")
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class Stopped(Exception):
+    """SIGINT or SIGTERM arrived: raised in the main process by the handler that main installs."""
+
+    def __init__(self, signum):
+        self.signum = signum
+        super().__init__(f"stopped by {signal.Signals(signum).name}")
+
+
+def _raise_stopped(signum, frame):
+    for number in STOP_SIGNALS:
+        signal.signal(number, signal.SIG_IGN)  # a second Ctrl-C must not cut the clean-up short
+    raise Stopped(signum)
+
+
+@contextlib.contextmanager
+def _signals_held():
+    """SIGINT and SIGTERM wait (blocked, not lost) until the block is over, then arrive: for a step that a
+    signal must not cut in half. Blocking is per thread; it holds them for the whole process here because
+    the tool runs one thread when it creates and renames its files, and the threads and workers that the
+    pool starts inside a hold begin with both blocked too. (Windows has no signal masks: nothing is held.)"""
+    if not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 class DocumentEncoder:
@@ -146,6 +192,12 @@ _worker_encoder = None  # set once in each worker process by the pool initialize
 
 
 def _init_worker(encoder):
+    """Runs first in each worker, which starts with SIGINT and SIGTERM held (see _encoded_chunks), then
+    ignores both from here on: only the main process answers them, and it stops the workers."""
+    for number in STOP_SIGNALS:
+        signal.signal(number, signal.SIG_IGN)
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
     global _worker_encoder
     _worker_encoder = encoder
 
@@ -206,14 +258,16 @@ def _encoded_chunks(encoder, path, workers):
     try:
         pending = collections.deque()
         for chunk in _chunks(path):
-            pending.append((pool.submit(_encode_in_worker, chunk), len(chunk[2])))
+            with _signals_held():  # submit starts the workers: each begins with the signals held
+                future = pool.submit(_encode_in_worker, chunk)
+            pending.append((future, len(chunk[2])))
             if len(pending) >= workers * IN_FLIGHT_PER_WORKER:
                 future, size = pending.popleft()  # the oldest first: output keeps input order
                 yield future.result(), size
         while pending:
             future, size = pending.popleft()
             yield future.result(), size
-    finally:
+    finally:  # also on an error or a signal (Stopped): drop what is queued, wait for the workers to exit
         pool.shutdown(cancel_futures=True)
         for name, value in saved.items():
             if value is None:
@@ -272,7 +326,8 @@ def preprocess(input_path, output_prefix, tokenizer, json_keys=("text",), split_
     start = time.perf_counter()
     chunks = _encoded_chunks(encoder, input_path, workers)
     try:
-        builders = [IndexedDatasetBuilder(prefix + ".bin", dtype=dtype) for prefix in prefixes]
+        with _signals_held():  # a temporary file exists once its builder does: none is created unknown
+            builders = [IndexedDatasetBuilder(prefix + ".bin", dtype=dtype) for prefix in prefixes]
         for (per_key, num_docs), n_bytes in chunks:
             for builder, (chunk_tokens, lengths, per_doc) in zip(builders, per_key):
                 builder.add_documents(chunk_tokens, lengths, per_doc)
@@ -281,8 +336,9 @@ def preprocess(input_path, output_prefix, tokenizer, json_keys=("text",), split_
             docs += num_docs
             done_bytes += n_bytes
             _show_progress(bar, docs, done_bytes, start)
-        for builder, prefix in zip(builders, prefixes):
-            builder.finalize(prefix + ".idx")
+        with _signals_held():  # every pair renamed into place, .bin then .idx; a signal waits for them
+            for builder, prefix in zip(builders, prefixes):
+                builder.finalize(prefix + ".idx")
     except BaseException:
         for builder in builders:
             builder.abort()
@@ -330,9 +386,17 @@ def main(argv=None):
     if args.append_eod:
         raise UsageError("--append-eod is for GPT-style data: BERT has no end-of-document token (the "
                          "dataset adds [CLS]/[SEP] itself); drop the flag")
-    tokenizer = build_tokenizer(args.tokenizer_type, args.vocab_file)
-    preprocess(args.input, args.output_prefix, tokenizer, json_keys=args.json_keys,
-               split_sentences=args.split_sentences, workers=args.workers)
+    previous = {number: signal.signal(number, _raise_stopped) for number in STOP_SIGNALS}
+    try:
+        tokenizer = build_tokenizer(args.tokenizer_type, args.vocab_file)
+        preprocess(args.input, args.output_prefix, tokenizer, json_keys=args.json_keys,
+                   split_sentences=args.split_sentences, workers=args.workers)
+    except Stopped as e:  # preprocess has stopped its workers and removed its temporary files
+        print(f"preprocess: {e}; no partial output, temporary file or worker is left", file=sys.stderr)
+        sys.exit(128 + e.signum)
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
 
 
 if __name__ == "__main__":

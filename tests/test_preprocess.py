@@ -3,10 +3,12 @@ way Megatron's tools/preprocess_data.py uses it, 1 vs 2 workers, the line rules,
 through the real command line (exit 2, one stderr line, nothing left behind)."""
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
 import threading
+import time
 import warnings
 
 import numpy as np
@@ -15,6 +17,7 @@ import pytest
 from tokenizers import BertWordPieceTokenizer as HFBertWordPiece
 
 import minibert.preprocess as preprocess_module
+from minibert.corpus import default_corpus_documents
 from minibert.indexed_dataset import IndexedDataset
 from minibert.preprocess import preprocess
 from minibert.sentence_split import split_sentences
@@ -359,3 +362,67 @@ def test_bad_input_is_one_line_exit_2_and_no_output(tmp_path, name):
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and words in lines[0], result.stderr
     assert files_in(out_dir) == [] and result.stdout == ""
+
+
+def children(pid):
+    """The processes whose parent is `pid`, from /proc/*/stat (field 4; the name before it, in
+    parentheses, may hold spaces)."""
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError):
+            continue  # it ended meanwhile
+        if parent == pid:
+            found.append(int(entry))
+    return found
+
+
+def running(pid):
+    """Alive and not a zombie (one that ended and waits for its parent to collect it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="finds the workers in /proc (Linux)")
+def test_sigterm_and_ctrl_c_stop_the_workers_and_leave_nothing(tmp_path):
+    """The tool on 11 MB of the default corpus with two workers, stopped once its workers have sent
+    tokens back (its hidden .bin has grown): SIGTERM to the tool alone (`kill`), then SIGINT to its whole
+    process group (Ctrl-C, which reaches the workers too). Each time: one stderr line, exit code 128 +
+    the signal, no worker left running, nothing in the output directory, not even a hidden file."""
+    path = tmp_path / "corpus.txt"
+    path.write_text("".join(doc + "\n" for doc in default_corpus_documents()) * 10, encoding="utf-8")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH="")
+    for number, send in [(signal.SIGTERM, os.kill), (signal.SIGINT, os.killpg)]:
+        out_dir, err_path = tmp_path / number.name, tmp_path / f"{number.name}.err"
+        out_dir.mkdir()
+        command = [sys.executable, os.path.join(ROOT, "minibert", "preprocess.py"), "--input", str(path),
+                   "--output-prefix", str(out_dir / "o"), "--split-sentences", "--workers", "2"]
+        # stderr to a file, not a pipe: workers left running would hold a pipe open, and reading it hang
+        with open(err_path, "w") as err:
+            proc = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=err,
+                                    start_new_session=True)  # its own process group, as a terminal gives it
+        workers = []
+        try:
+            deadline = time.monotonic() + 120
+            while not (len(workers := children(proc.pid)) == 2 and any(
+                    os.path.getsize(out_dir / name) for name in os.listdir(out_dir))):
+                assert proc.poll() is None, err_path.read_text()
+                assert time.monotonic() < deadline, "the workers sent nothing back in 120 s"
+                time.sleep(0.01)
+            send(proc.pid, number)
+            proc.wait(timeout=120)
+        finally:  # a failed check leaves no process behind
+            proc.kill()  # nothing if it has ended
+            left = [pid for pid in workers if running(pid)]
+            for pid in left:
+                os.kill(pid, signal.SIGKILL)  # orphaned, a worker would wait for work for good
+        assert proc.returncode == 128 + number, f"exit {proc.returncode}: {err_path.read_text()}"
+        line = f"preprocess: stopped by {number.name}; no partial output, temporary file or worker is left"
+        assert err_path.read_text().splitlines() == [line]
+        assert left == []
+        assert files_in(out_dir) == []
