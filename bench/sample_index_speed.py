@@ -1,6 +1,5 @@
-"""Sample-index build time at corpus scale: minibert's build_sample_index, with its compiled loop (engine
-"c", minibert/compiled_walk.c) and with its numpy walk (engine "numpy"), next to megatron-core's C++
-build_mapping (helpers.cpp), on the same documents, in the same run.
+"""Sample-index build time at corpus scale: minibert's build_sample_index (the numpy walk) next to
+megatron-core's C++ build_mapping (helpers.cpp), on the same documents, in the same run.
 
     python bench/sample_index_speed.py [--sentences 20000000] [--seq-length 128 512] [--repeats 3]
                                        [--data-path PREFIX] [--plain]
@@ -12,9 +11,9 @@ few documents hold a sentence over 512 tokens and are skipped). --data-path take
 instead. Each build asks for 1 sample (one epoch: all of the corpus's rows), short_seq_prob 0.1, seed
 1234, the binary head (2 sentences a row), as Megatron's BERT pretraining does.
 
-Timed, best of --repeats, the three contenders alternating: wall time and this process's CPU time (the
+Timed, best of --repeats, the two contenders alternating: wall time and this process's CPU time (the
 CPU time is steadier when other programs share the machine). Every build's rows are checked equal to
-Megatron's. The compiled loop is built (or found in its cache) before the timing starts.
+Megatron's.
 --plain also times minibert's readable twin (plain_sample_index), once: tens of seconds at 20M.
 --stages times each step of minibert's numpy walk (CPU, best of --repeats; the synthetic corpus's layout).
 """
@@ -30,7 +29,6 @@ sys.path.insert(0, ROOT)
 
 import numpy as np  # noqa: E402
 
-from minibert import compiled_walk  # noqa: E402
 from minibert.sample_index import build_sample_index, plain_sample_index  # noqa: E402
 
 
@@ -130,22 +128,18 @@ def main():
     print(f"\n{platform.processor() or platform.machine()}, {os.cpu_count()} cores, Python "
           f"{platform.python_version()}, numpy {np.__version__}; {time.strftime('%Y-%m-%d')}; command: "
           f"python bench/sample_index_speed.py {' '.join(sys.argv[1:])}".rstrip())
-    if compiled_walk.library() is None:
-        sys.exit("the compiled walk could not be built: install a C compiler (cc)")
-    print("| seq length | rows | Megatron C++ wall / CPU (s) | minibert compiled wall / CPU (s) | ratio wall / "
-          "CPU | minibert numpy wall / CPU (s) | ratio wall / CPU |")
-    print("|---|---|---|---|---|---|---|")
+    print("| seq length | rows | Megatron C++ wall / CPU (s) | minibert numpy wall / CPU (s) | ratio wall / CPU |")
+    print("|---|---|---|---|---|")
     for seq_length in args.seq_length:
-        def ours(engine):
-            return lambda: build_sample_index(bounds, sizes, num_samples=1, seq_length=seq_length,
-                                              short_seq_prob=args.short_seq_prob, seed=seed,
-                                              min_sentences=min_sentences, engine=engine)
+        def ours():
+            return build_sample_index(bounds, sizes, num_samples=1, seq_length=seq_length,
+                                      short_seq_prob=args.short_seq_prob, seed=seed, min_sentences=min_sentences)
 
         def theirs():  # (documents, sizes, epochs, num_samples, max_seq, short_seq_prob, seed, verbose, min)
             return build_mapping(bounds, sizes, 2**31 - 2, 1, seq_length - 3, args.short_seq_prob, seed,
                                  False, min_sentences)
 
-        contenders = (("theirs", theirs), ("c", ours("c")), ("numpy", ours("numpy")))
+        contenders = (("theirs", theirs), ("numpy", ours))
         best = {name: [float("inf")] * 2 for name, _ in contenders}
         for _ in range(args.repeats):
             for name, fn in contenders:
@@ -158,20 +152,19 @@ def main():
                 elif not np.array_equal(rows, reference):
                     sys.exit(f"seq {seq_length}: minibert's rows ({name}) differ from Megatron's: run "
                              "tests/test_sample_index.py")
-        (tw, tc), (cw, cc), (nw, nc) = best["theirs"], best["c"], best["numpy"]
-        print(f"| {seq_length} | {len(reference):,} | {tw:.3f} / {tc:.3f} | {cw:.3f} / {cc:.3f} | "
-              f"{cw / tw:.2f}x / {cc / tc:.2f}x | {nw:.3f} / {nc:.3f} | {nw / tw:.1f}x / {nc / tc:.1f}x |",
-              flush=True)
+        (tw, tc), (nw, nc) = best["theirs"], best["numpy"]
+        print(f"| {seq_length} | {len(reference):,} | {tw:.3f} / {tc:.3f} | {nw:.3f} / {nc:.3f} | "
+              f"{nw / tw:.1f}x / {nc / tc:.1f}x |", flush=True)
         if args.plain:
             seconds, rows = timed(lambda: plain_sample_index(
                 bounds, sizes, num_samples=1, seq_length=seq_length, short_seq_prob=args.short_seq_prob,
                 seed=seed, min_sentences=min_sentences), time.perf_counter)
             assert np.array_equal(rows, reference)
-            print(f"|   plain_sample_index | | | | | {seconds:.2f} (wall, once) | {seconds / tw:.0f}x |", flush=True)
+            print(f"|   plain_sample_index | | | {seconds:.2f} (wall, once) | {seconds / tw:.0f}x |", flush=True)
         if args.stages:
             for name, seconds in stages(bounds, sizes, seq_length, args.short_seq_prob, seed, min_sentences,
                                         args.repeats):
-                print(f"|   {name} (numpy walk) | | | | | {seconds:.3f} (CPU) | |", flush=True)
+                print(f"|   {name} (numpy walk) | | | {seconds:.3f} (CPU) | |", flush=True)
 
 
 if __name__ == "__main__":

@@ -25,11 +25,11 @@ Whole epochs over the documents are walked until there are at least num_samples 
 epoch starts; every row is kept, so len(index) can exceed num_samples), then the rows are shuffled by
 Fisher-Yates with std::mt19937_64(seed + 1). Both generators come from minibert.mersenne.
 
-Three implementations, one result: `plain_sample_index` below is the walk written as the rule reads, one
-Python step per row (the one to read first); `build_sample_index`, the one every dataset uses, runs the
-same walk as one C loop (minibert/compiled_walk.c, compiled on first use, as Megatron compiles its
-helpers.cpp), or, where no C compiler is found, gets the same rows from whole-array numpy operations
-(minibert/sample_walk.py, minibert/fisher_yates.py). Tests check that all three give the same array.
+Two implementations, one result: `plain_sample_index` below is the walk written as the rule reads, one
+Python step per row (the one to read first); `build_sample_index`, the one every dataset uses, gets the
+same rows from whole-array numpy operations (the numpy walk: minibert/sample_walk.py,
+minibert/fisher_yates.py), with Python only where a short target changes the rows. Tests check that the
+two give the same array, and the same as Megatron's C++.
 
 Also here: how --split cuts the documents into train/valid/test ranges (each range gets its own index, with
 the same seed and its own num_samples), and how many samples Megatron asks of each split.
@@ -45,7 +45,6 @@ from array import array
 
 import numpy as np
 
-from minibert import compiled_walk
 from minibert.atomic import atomic_write
 from minibert.config import parse_split
 from minibert.errors import UsageError
@@ -110,17 +109,13 @@ def _max_seq(seq_length):
 
 
 def build_sample_index(document_indices, sequence_lengths, *, num_samples, seq_length, short_seq_prob,
-                       seed, min_sentences, engine="auto"):
+                       seed, min_sentences):
     """Megatron's build_mapping over the documents in `document_indices` (global sentence boundaries,
     int64 [D + 1]), with `sequence_lengths` the lengths of all sentences of the file (int32 [S]).
 
     Returns np.uint32 [rows, 3] of (first sentence, end sentence, target length); rows >= num_samples.
     Where Megatron would loop forever (an epoch that yields no row), raises UsageError instead.
-    The same array as plain_sample_index, from one compiled loop (engine "c", minibert/compiled_walk.py)
-    or from whole-array operations (engine "numpy", minibert/sample_walk.py); "auto" takes the compiled
-    loop where a C compiler could build it."""
-    if engine not in ("auto", "c", "numpy"):
-        raise ValueError(f"engine {engine!r}: use 'auto', 'c' or 'numpy'")
+    The same array as plain_sample_index, from whole-array operations (minibert/sample_walk.py)."""
     check_seed(seed)
     max_seq = _max_seq(seq_length)
     bounds = np.asarray(document_indices, dtype=np.int64)
@@ -134,12 +129,6 @@ def build_sample_index(document_indices, sequence_lengths, *, num_samples, seq_l
     usable = (num_sentences >= min_sentences) & ~((num_sentences > 1) & has_long)
     if num_samples > 0 and not usable.any():
         raise _why_no_rows(num_sentences, has_long, min_sentences)
-    if engine != "numpy" and compiled_walk.library() is not None:
-        return compiled_walk.sample_rows(sequence_lengths, bounds[:-1][usable], bounds[1:][usable],
-                                         num_samples=num_samples, max_seq=max_seq, min_sentences=min_sentences,
-                                         seed=seed, ratio=short_seq_ratio(short_seq_prob))
-    if engine == "c":
-        raise RuntimeError("the compiled sample walk could not be built: install a C compiler (cc)")
     total = int(sizes.sum(dtype=np.int64))
     cum = np.zeros(top - base + 1, dtype=np.int32 if total + max_seq < 2**31 else np.int64)
     np.cumsum(sizes, out=cum[1:], dtype=cum.dtype)          # tokens before local sentence i  [S + 1]

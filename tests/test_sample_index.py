@@ -1,13 +1,12 @@
-"""The fast sample indexes (the compiled loop of compiled_walk.c; the numpy walk of sample_walk.py,
-fisher_yates.py, mersenne.py) against their plain twins, row for row, and against megatron-core's C++
-build_mapping at a scale where the fast paths all run."""
-import os
+"""The fast sample index (the numpy walk of sample_walk.py, fisher_yates.py, mersenne.py) against its
+plain twins, row for row, and against megatron-core's C++ build_mapping at a scale where its fast paths
+all run."""
 import warnings
 
 import numpy as np
 import pytest
 
-from minibert import compiled_walk, sample_walk
+from minibert import sample_walk
 from minibert.errors import UsageError
 from minibert.fisher_yates import megatron_order, shuffled_order, shuffled_order_plain
 from minibert.mersenne import MT19937_64
@@ -34,16 +33,12 @@ def random_structure(rng, documents):
 
 @pytest.mark.parametrize("short_seq_prob", [0.0, 0.1, 0.4, 1.0])
 @pytest.mark.parametrize("min_sentences", [1, 2], ids=["no-binary-head", "binary-head"])
-@pytest.mark.parametrize("path", ["lockstep", "python", "compiled"])
+@pytest.mark.parametrize("path", ["lockstep", "python"])
 def test_fast_paths_equal_plain(monkeypatch, short_seq_prob, min_sentences, path):
     """Random structures, seeds next to 2**31 - 1 (where seed + 1 wraps in C), several epochs. The numpy
-    walk in groups of 3 documents (several lockstep groups), or every document walked by its Python tail;
-    and the compiled loop."""
+    walk in groups of 3 documents (several lockstep groups), or every document walked by its Python tail."""
     monkeypatch.setattr(sample_walk, "GROUP", 3 if path == "lockstep" else 1 << 14)
     monkeypatch.setattr(sample_walk, "LOCKSTEP_MIN_DOCUMENTS", 1 if path == "lockstep" else 10**9)
-    engine = "c" if path == "compiled" else "numpy"
-    if engine == "c" and compiled_walk.library() is None:
-        pytest.skip("no C compiler on this machine: the compiled walk cannot be built")
     rng = np.random.default_rng(int(short_seq_prob * 10) + 100 * min_sentences)
     for trial in range(12):
         bounds, sizes = random_structure(rng, int(rng.integers(2, 60)))
@@ -55,27 +50,23 @@ def test_fast_paths_equal_plain(monkeypatch, short_seq_prob, min_sentences, path
             expected = plain_sample_index(bounds, sizes, **settings)
         except UsageError as e:  # no usable document: both must say the same
             with pytest.raises(UsageError, match="split"):
-                build_sample_index(bounds, sizes, engine=engine, **settings)
+                build_sample_index(bounds, sizes, **settings)
             assert "split" in str(e)
             continue
-        got = build_sample_index(bounds, sizes, engine=engine, **settings)
+        got = build_sample_index(bounds, sizes, **settings)
         assert got.dtype == expected.dtype == np.uint32 and got.shape == expected.shape, (trial, settings)
         np.testing.assert_array_equal(got, expected, err_msg=f"trial {trial}: {settings}")
 
 
-@pytest.mark.parametrize("engine", ["c", "numpy"])
-def test_equals_megatron_at_scale(engine):
+def test_equals_megatron_at_scale():
     """200K sentences: thousands of lockstep documents per group, ~10K detours, a 6-digit shuffle."""
-    if engine == "c" and compiled_walk.library() is None:
-        pytest.skip("no C compiler on this machine: the compiled walk cannot be built")
     rng = np.random.default_rng(5)
     counts = rng.geometric(1 / 30, size=8000)
     bounds = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
     sizes = np.clip(rng.lognormal(3.0, 0.6, size=int(counts.sum())), 1, 2000).astype(np.int32)
     for seq_length, short_seq_prob, min_sentences in [(128, 0.1, 2), (512, 0.4, 1), (64, 1.0, 2)]:
         ours = build_sample_index(bounds, sizes, num_samples=50_000, seq_length=seq_length,
-                                  short_seq_prob=short_seq_prob, seed=2**31 - 1, min_sentences=min_sentences,
-                                  engine=engine)
+                                  short_seq_prob=short_seq_prob, seed=2**31 - 1, min_sentences=min_sentences)
         ref = helpers_cpp.build_mapping(bounds, sizes, 2**31 - 2, 50_000, seq_length - 3, short_seq_prob,
                                         2**31 - 1, False, min_sentences)
         assert ours.shape == ref.shape and len(ref) >= 50_000
@@ -109,27 +100,3 @@ def test_mt19937_64_in_pieces_equals_one_stream():
         total += len(pieces[-1])
     np.testing.assert_array_equal(np.concatenate(pieces), whole)
 
-
-def test_the_compiled_walk_is_built_once_into_its_cache_and_the_numpy_walk_runs_without_it(monkeypatch, tmp_path):
-    """The library lands under $MINIBERT_CACHE by one rename (no temporary file left); a compiler that
-    fails leaves nothing behind, and then "auto" gives the same rows from the numpy walk while "c" says
-    what is missing."""
-    if compiled_walk.library() is None:
-        pytest.skip("no C compiler on this machine: the compiled walk cannot be built")
-    bounds, sizes = random_structure(np.random.default_rng(7), 40)
-    settings = dict(num_samples=300, seq_length=64, short_seq_prob=0.4, seed=1234, min_sentences=2)
-    expected = plain_sample_index(bounds, sizes, **settings)
-    monkeypatch.setenv("MINIBERT_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(compiled_walk, "_library", None)
-    assert compiled_walk.library() is not None
-    built = os.listdir(tmp_path / "cache")
-    assert len(built) == 1 and built[0].startswith("compiled_walk_") and built[0].endswith(".so"), built
-    np.testing.assert_array_equal(build_sample_index(bounds, sizes, **settings), expected)
-
-    monkeypatch.setenv("CC", "false")  # a compiler that always fails
-    monkeypatch.setattr(compiled_walk, "_library", None)
-    assert compiled_walk.library() is None
-    assert os.listdir(tmp_path / "cache") == built
-    np.testing.assert_array_equal(build_sample_index(bounds, sizes, **settings), expected)
-    with pytest.raises(RuntimeError, match="C compiler"):
-        build_sample_index(bounds, sizes, engine="c", **settings)
