@@ -23,7 +23,9 @@ if __package__ in (None, ""):
 import torch  # noqa: E402
 import triton  # noqa: E402
 
-from minibert.config import Config, validate  # noqa: E402
+from minibert.config import Config  # noqa: E402
+
+from minibert.validate import validate  # noqa: E402
 from minibert.kernels import adamw as adamw_kernel  # noqa: E402
 from minibert.model import BertModel  # noqa: E402
 from minibert.optim import build_optimizer  # noqa: E402

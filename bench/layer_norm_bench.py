@@ -136,27 +136,6 @@ def _measure(label, rows, h):
     return out
 
 
-def _measure_alone(label, rows, h):
-    """The LayerNorm alone (--layernorm-fusion: pre-LN's LN1, the final and the LM head's): F.layer_norm
-    (nn.LayerNorm's kernels) against fused.layer_norm, fwd+bwd as a CUDA graph. A perfect kernel moves
-    5 T: forward read x, write normed; backward read dnormed, x, write dx."""
-    (x, _, weight, bias), (grad, _) = _inputs(rows, h)
-    leaves = [x, weight, bias]
-    plain = lambda x, w, b: F.layer_norm(x, (h,), w, b, EPS)              # noqa: E731
-    ours = lambda x, w, b: fused.layer_norm(x, w, b, EPS)                 # noqa: E731
-    _check(f"{label} layer_norm vs F.layer_norm", [ours(*leaves), *torch.autograd.grad(ours(*leaves), leaves, grad)],
-           [plain(*leaves), *torch.autograd.grad(plain(*leaves), leaves, grad)],
-           names=("normed", "grad_x", "grad_weight", "grad_bias"))
-    ms = {name: _time_ms(_step(fn, leaves, grad)) for name, fn in (("plain", plain), ("fused", ours))}
-    with torch.no_grad():
-        fwd = {name: _time_ms(lambda fn=fn: fn(*leaves)) for name, fn in (("plain", plain), ("fused", ours))}
-    t = rows * h * 2
-    return [dict(name=f"[{rows}, {h}] LayerNorm alone: fused speed-up over F.layer_norm (GPU time, CUDA graph)",
-                 value=ms["plain"] / ms["fused"], unit="x",
-                 notes=f"fwd+bwd {ms['plain']:.3f} -> {ms['fused']:.3f} ms (fwd {fwd['plain']:.3f} -> "
-                       f"{fwd['fused']:.3f}); fused {_tbps(5 * t, ms['fused']):.2f} TB/s of 5 T; bf16 ({label})")]
-
-
 def sweep_tiles(h):
     """Forward: 1-32 rows per block with 4-64 values per thread. Backward: 1-16 rows with 4-32 values per
     thread (it holds more tensors), on grids of 1, 2, 4 or 8 programs per SM."""
@@ -206,7 +185,6 @@ def run(sweep=False):
     rows = []
     for label, (n, h) in SHAPES.items():
         rows += _measure(label, n, h)
-        rows += _measure_alone(label, n, h)
         if sweep:
             rows += _sweep(n, h)
     return rows

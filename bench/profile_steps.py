@@ -9,9 +9,8 @@ indexing, compiled Triton kernels) and the table gives ms per step for each, nex
     python bench/profile_steps.py --work-dir /tmp/prof --output profile_steps.md [--only base]
 
 Cases: "large" (BERT-large s512 b32, full length) and "base" (BERT-base s128 b256, full length), each
-for minibert, minibert with the three levers that are off by default (--gradient-accumulation-fusion,
---bias-gelu-fusion, --layernorm-fusion), minibert with CUDA graphs, HF
-eager and HF compiled; and "default" (BERT-large s512 b32 on
+for minibert, minibert with the lever that is off by default (--gradient-accumulation-fusion), minibert
+with CUDA graphs, HF eager and HF compiled; and "default" (BERT-large s512 b32 on
 Megatron's samples of the default corpus: minibert packed, and with CUDA graphs); and, only when named
 (--only accumulation), minibert packed on the default corpus and on full-length batches with 1 and with 8
 micro-batches per optimizer step, every kernel's time divided by the micro-batches per step

@@ -16,15 +16,14 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 import triton  # noqa: E402
 
-from bench import (adamw_bench, attention_bench, bias_gelu_bench, cross_entropy_bench,  # noqa: E402
-                   layer_norm_bench, softmax_bench, train_bench)
+from bench import (adamw_bench, attention_bench, cross_entropy_bench, layer_norm_bench,  # noqa: E402
+                   softmax_bench, train_bench)
 from minibert.atomic import atomic_write  # noqa: E402
 
 
 class QuickTraining:
     """The training bench in its --quick form, all five sections. The whole of make bench took 313 s on the
-    H200 (2026-12-02 03:59-04:04 UTC, before the bias + GeLU section, about 25 s, and section 5's graphed
-    contenders were added); where a call's limit is near, run bench/train_bench.py --sections apart."""
+    H200 (2026-12-02 03:59-04:04 UTC, before section 5's graphed contenders were added); where a call's limit is near, run bench/train_bench.py --sections apart."""
 
     @staticmethod
     def run():
@@ -36,7 +35,6 @@ SECTIONS = [
     ("Flash attention with key padding (minibert/kernels/flash_attention.py)", attention_bench),
     ("Fused cross entropy (minibert/kernels/cross_entropy.py)", cross_entropy_bench),
     ("Fused dropout + residual add + LayerNorm (minibert/kernels/layer_norm.py)", layer_norm_bench),
-    ("Fused bias + GeLU (minibert/kernels/bias_gelu.py, --bias-gelu-fusion, off by default)", bias_gelu_bench),
     ("AdamW and the copy back in one pass (minibert/kernels/adamw.py, --adam-fusion)", adamw_bench),
     ("Training throughput (bench/train_bench.py, --quick: 3 warm-up and 8 timed steps per contender)",
      QuickTraining),

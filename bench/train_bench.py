@@ -20,9 +20,6 @@ torch.cuda.synchronize() calls. Each contender gets a fresh model and a fresh pe
                  1 and 3): the same loss, less work than its peers compute, so its ratios say so
     minibert (packed), CUDA graphs, --gradient-accumulation-fusion   the weight gradients summed into the
                  fp32 main gradients by the matmuls themselves (section 2's accumulated rows, GPU only)
-    minibert, compiled layers (and the same with CUDA graphs)   --compile-layers: each transformer layer
-                 through torch.compile (sections 1 and 3, GPU only); run only when --contenders names them
-                 (their compile adds a minute per section to make bench, and they measured slower)
 
 Sections (--sections picks them):
     1  BERT-large s512 b32, full-length batches: every position real, cut from the default corpus's token
@@ -42,8 +39,8 @@ Sections (--sections picks them):
        --cuda-graph-impl local (each micro-batch one CUDA graph replay)
     5  the fused kernels' gains: sections 1 and 3's minibert with --no-bias-dropout-fusion, with
        --no-cross-entropy-loss-fusion, with both, and with --no-residual-layernorm-fusion; with
-       --gradient-accumulation-fusion, --bias-gelu-fusion and --layernorm-fusion (off by default) each
-       turned on; and the last two and --no-residual-layernorm-fusion again with --cuda-graph-impl local
+       --gradient-accumulation-fusion (off by default) turned on; and --gradient-accumulation-fusion,
+       --no-residual-layernorm-fusion and --no-adam-fusion again with --cuda-graph-impl local
        (skipped on the CPU, where the plain ops run)
 
 Model FLOPs (docs/measuring.md): F = 72 l h^2 + 12 l s h + 6 r (h V + h^2) per token, r = 1, V = the padded vocab,
@@ -75,7 +72,8 @@ import torch  # noqa: E402
 from bench.train_bench_data import (SEED, length_histogram_notes, mean_real_tokens, megatron_batches,  # noqa: E402
                                     pinned, prepare_corpus, stream_batches)
 from minibert.batches import PrefetchingBatches, batch_flops, build_data_iterator, build_datasets  # noqa: E402
-from minibert.config import Config, validate  # noqa: E402
+from minibert.config import Config  # noqa: E402
+from minibert.validate import validate  # noqa: E402
 from minibert.errors import OneLineArgumentParser, UsageError, exit_on_usage_error  # noqa: E402
 from minibert.training_log import PEAK_FLOPS  # noqa: E402
 from minibert.train import build_model_and_optimizer, train_step  # noqa: E402
@@ -202,8 +200,6 @@ def hf_stepper(cfg, batches, device, compiled=False):
 SPARSE = "minibert, CUDA graphs, --sparse-mlm"  # the LM head on the masked positions only: not equal work
 SPARSE_NOTE = ("not equal work: the LM head computes the masked positions only (the same loss and gradients), "
                "HF all of them")
-COMPILED, COMPILED_GRAPHS = "minibert, compiled layers", "minibert, compiled layers, CUDA graphs"
-OPT_IN = (COMPILED, COMPILED_GRAPHS)  # run only when --contenders names them
 # section 2's accumulated rows: the weight gradients summed into the fp32 main gradients by the matmul
 GRAPHS_GAF = "minibert, CUDA graphs, --gradient-accumulation-fusion"
 PACKED_GRAPHS_GAF = "minibert packed, CUDA graphs, --gradient-accumulation-fusion"
@@ -212,14 +208,11 @@ CONTENDERS = {  # name -> (build(cfg, batches, device) -> step, config overrides
     "minibert packed": (minibert_stepper, {}),
     "minibert padded": (minibert_stepper, {"pack_tokens": False}),
     "minibert, CUDA graphs": (minibert_stepper, {"cuda_graph_impl": "local"}),
-    "minibert, levers off by default on": (minibert_stepper, {"gradient_accumulation_fusion": True,
-                                                               "bias_gelu_fusion": True, "layernorm_fusion": True}),
+    "minibert, levers off by default on": (minibert_stepper, {"gradient_accumulation_fusion": True}),
     "minibert packed, CUDA graphs": (minibert_stepper, {"cuda_graph_impl": "local"}),
     GRAPHS_GAF: (minibert_stepper, {"cuda_graph_impl": "local", "gradient_accumulation_fusion": True}),
     PACKED_GRAPHS_GAF: (minibert_stepper, {"cuda_graph_impl": "local", "gradient_accumulation_fusion": True}),
     SPARSE: (minibert_stepper, {"cuda_graph_impl": "local", "sparse_mlm": True}),
-    COMPILED: (minibert_stepper, {"compile_layers": True}),
-    COMPILED_GRAPHS: (minibert_stepper, {"compile_layers": True, "cuda_graph_impl": "local"}),
     "HF eager": (hf_stepper, {}),
     "HF compiled": (lambda cfg, batches, device: hf_stepper(cfg, batches, device, compiled=True), {}),
 }
@@ -282,7 +275,6 @@ def measure(contender, cfg, batches, settings) -> Measurement:
 
 
 def contenders_for(names, settings):
-    names = [n for n in names if n not in OPT_IN or n in (settings.only or ())]
     if settings.only is not None:
         names = [n for n in names if n in settings.only]
     if settings.device.type == "cpu":
@@ -345,8 +337,8 @@ def full_length_section(name, settings, full=True):
     prefix, _ = corpus_prefix("default", settings)
     batches = stream_batches(prefix, batches_needed(cfg, settings), micro, seq, settings.device)
     results, rows = {}, []
-    for contender in contenders_for(["minibert", "minibert, CUDA graphs", SPARSE, *OPT_IN, "HF eager",
-                                     "HF compiled"], settings):
+    for contender in contenders_for(["minibert", "minibert, CUDA graphs", SPARSE, "HF eager", "HF compiled"],
+                                    settings):
         result, failed = attempt("CUDA graphs" in contender, f"{label}: {contender}",
                                  lambda: measure(contender, cfg, batches, settings))
         rows += failed
@@ -564,14 +556,10 @@ LEVERS = {  # contender -> the flags it turns off
 }
 LEVERS_ON = {  # contender -> the flags it turns on (levers that are off by default until measured)
     "minibert --gradient-accumulation-fusion": {"gradient_accumulation_fusion": True},
-    "minibert --bias-gelu-fusion": {"bias_gelu_fusion": True},
-    "minibert --layernorm-fusion": {"layernorm_fusion": True},
 }
 LEVERS_GRAPHED = {  # the same with CUDA graphs, where the host's launch cost is gone
     "minibert, CUDA graphs": {},
     "minibert, CUDA graphs --gradient-accumulation-fusion": {"gradient_accumulation_fusion": True},
-    "minibert, CUDA graphs --bias-gelu-fusion": {"bias_gelu_fusion": True},
-    "minibert, CUDA graphs --layernorm-fusion": {"layernorm_fusion": True},
     "minibert, CUDA graphs --no-residual-layernorm-fusion": {"residual_layernorm_fusion": False},
     "minibert, CUDA graphs --no-adam-fusion": {"adam_fusion": False},
 }

@@ -1,4 +1,4 @@
-"""Attention backends: one function, four implementations of softmax(q k^T / sqrt(d) + mask) v.
+"""Attention backends: one function, three implementations of softmax(q k^T / sqrt(d) + mask) v.
 
 Every backend computes the same thing for the real (non-padded) query positions:
 
@@ -12,7 +12,6 @@ They differ in how many times the s x s matrices travel through memory (b*heads*
 | backend | what runs | passes over s x s (fwd) | `auto` picks it |
 |---|---|---|---|
 | local   | PyTorch ops: matmul, fp32 cast, scale, mask, softmax, dropout, matmul | ~7 | CPU, fp32, other head dims |
-| unfused | the same code as local (Megatron's flag name, kept so the flag works) | ~7 | never |
 | fused   | matmul, one Triton kernel for scale + mask + softmax, dropout, matmul | ~3 | never (to study the kernel) |
 | flash   | one Triton kernel: k, v tiles stream past q with an online softmax | 0 | CUDA, fp16/bf16, d in FLASH_HEAD_DIMS |
 
@@ -29,7 +28,7 @@ Masking: padding_mask is bool [b, s], True = padding, and masks *keys* only (a p
 to the real keys; its output is never used by the loss). The plain backends fill masked scores with
 finfo.min, not -inf: a row whose keys are all padding then gives a uniform softmax instead of NaN.
 
-Dropout: local/unfused/fused drop with torch's RNG, flash with a hash of each element's position inside the
+Dropout: local/fused drop with torch's RNG, flash with a hash of each element's position inside the
 kernel (keyed by a seed from torch's generator). Each is repeatable under torch.manual_seed; across backends
 the dropped entries differ, so with dropout on they agree in distribution, not bit for bit.
 
@@ -43,7 +42,7 @@ import torch.nn.functional as F
 from minibert.config import compute_dtype
 from minibert.errors import UsageError
 
-BACKENDS = ("auto", "local", "unfused", "fused", "flash")
+BACKENDS = ("auto", "local", "fused", "flash")
 FLASH_HEAD_DIMS = range(16, 129, 8)  # what the flash kernel takes: multiples of 8 up to 128 (BERT: 64)
 
 
@@ -80,7 +79,7 @@ def attention(q, k, v, padding_mask=None, *, backend="local", dropout_p=0.0):
 
     `backend` is a resolved name (see resolve_backend). dropout_p > 0 only while training."""
     scale = 1.0 / math.sqrt(q.shape[-1])
-    if backend in ("local", "unfused"):
+    if backend == "local":
         return _plain_attention(q, k, v, padding_mask, scale, dropout_p)
     if backend == "fused":
         from minibert.kernels.softmax import fused_scale_mask_softmax

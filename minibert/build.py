@@ -62,10 +62,7 @@ def build_model(cfg, state):
         for name, p in chunk.named_parameters():
             vars(p).update(marks[name])  # ... so they are put back
         init_parameters(chunk, cfg.seed)
-        chunk = chunk.to(compute_dtype(cfg))
-        if cfg.compile_layers:
-            chunk.compile_layers()
-        chunks.append(chunk)
+        chunks.append(chunk.to(compute_dtype(cfg)))
     return chunks[0] if len(chunks) == 1 else chunks
 
 

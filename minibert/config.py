@@ -40,7 +40,7 @@ class Config:
                                  "Megatron's pre-LN with a final LayerNorm)")
     bert_no_binary_head: bool = _flag(False, "drop the pooler + sentence-order (SOP) head and its loss")
     attention_backend: str = _flag("auto", "attention implementation",
-                                   choices=["auto", "local", "unfused", "fused", "flash"])
+                                   choices=["auto", "local", "fused", "flash"])
     sparse_mlm: bool = _flag(False, "send only masked positions through the LM head (faster; "
                                     "off for Megatron parity)")
     pack_tokens: bool = _flag(True, "run each micro-batch's real tokens packed ([n, h]) through everything but "
@@ -52,17 +52,6 @@ class Config:
                                             "(minibert.kernels.layer_norm; Megatron's flag name, the bias stays "
                                             "in the matmul); off: the plain ops",
                                       action=argparse.BooleanOptionalAction)
-    bias_gelu_fusion: bool = _flag(False, "on a GPU in fp16/bf16: the MLP's bias add and GeLU in one Triton kernel "
-                                          "whose backward also sums the bias gradient (minibert.kernels.bias_gelu; "
-                                          "Megatron's flag, there on by default; here off: timed slower than "
-                                          "the plain ops)",
-                                   action=argparse.BooleanOptionalAction)
-    layernorm_fusion: bool = _flag(False, "on a GPU in fp16/bf16, activations of >= 4M elements: the LayerNorms "
-                                          "that follow no residual add (pre-LN's LN1, the final and the LM "
-                                          "head's) through minibert.kernels.layer_norm, whose backward gives dx "
-                                          "and the weight gradient in one pass (timed: +3% at BERT-large, "
-                                          "-10% at BERT-base, host-paced); off: nn.LayerNorm",
-                                   action=argparse.BooleanOptionalAction)
     residual_layernorm_fusion: bool = _flag(True, "pre-LN: the residual add that ends each layer also computes the "
                                                   "next layer's LN1 (the last layer's: the final LayerNorm), in "
                                                   "the kernel of --bias-dropout-fusion on a GPU; the same math, "
@@ -80,12 +69,6 @@ class Config:
                                     "weights in one Triton pass (minibert/kernels/adamw.py, 30 bytes a "
                                     "parameter); off: PyTorch's fused AdamW, then the copy (38 bytes)",
                               action=argparse.BooleanOptionalAction)
-    compile_layers: bool = _flag(False, "torch.compile each transformer layer: Inductor writes its own fused "
-                                        "kernels for the elementwise work (the plain ops run inside the "
-                                        "compiled graphs, not minibert's Triton kernels); the attention stays "
-                                        "outside them. Off by default: timed on an H200, BERT-large steps "
-                                        "ran at 0.95x (0.97x with CUDA graphs) of the hand-fused kernels' "
-                                        "(chapter 8 section 5); TP = 1")
     cuda_graph_impl: str = _flag("none", "local: capture each micro-batch's forward + backward as one CUDA graph "
                                          "per shape and replay it (minibert/cuda_graphs.py; packed rows rounded "
                                          "up to a multiple of --seq-length; TP = PP = 1); none: launch every "
@@ -285,11 +268,3 @@ def parse_args(argv=None) -> Config:
     namespace = build_parser().parse_args(argv)
     return Config(**vars(namespace))
 
-
-def __getattr__(name):
-    """`from minibert.config import validate` keeps working: the function lives in minibert/validate.py,
-    which imports this module (so it is looked up when asked for, not imported at the top)."""
-    if name == "validate":
-        from minibert.validate import validate
-        return validate
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -79,10 +79,9 @@ class LinearFunction(torch.autograd.Function):
 
 
 def written_out_backward(x, weight) -> bool:
-    """Where `linear` uses LinearFunction: CUDA tensors in fp16/bf16, one dtype, autocast off, outside
-    torch.compile (a compiled layer, --compile-layers, leaves the bias gradient to Inductor)."""
+    """Where `linear` uses LinearFunction: CUDA tensors in fp16/bf16, one dtype, autocast off."""
     return (x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and weight.dtype == x.dtype
-            and not torch.is_autocast_enabled("cuda") and not torch.compiler.is_compiling())
+            and not torch.is_autocast_enabled("cuda"))
 
 
 def linear(x, weight, bias=None, fuse_weight_grad=True):
@@ -99,7 +98,3 @@ class Linear(nn.Linear):
 
     def forward(self, x):
         return linear(x, self.weight, self.bias)
-
-    def forward_without_bias(self, x):
-        """x W^T: Megatron's skip_bias_add, for a caller that adds the bias in a fused kernel."""
-        return linear(x, self.weight)

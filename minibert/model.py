@@ -56,26 +56,8 @@ FUSED_LAYER_NORM_MIN_ELEMENTS = 1 << 22
 
 def fused_kernels_apply(x) -> bool:
     """Where the fused Triton kernels (cross entropy; dropout + add + LayerNorm) replace their plain
-    twins: CUDA tensors in fp16/bf16, outside torch.compile. The CPU always runs the plain ops, and so
-    does a compiled layer (--compile-layers): there Inductor fuses the plain ops itself."""
-    return x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and not torch.compiler.is_compiling()
-
-
-class LayerNorm(nn.LayerNorm):
-    """nn.LayerNorm (same parameters, names and init). With --layernorm-fusion, where the fused kernels
-    apply and on at least FUSED_LAYER_NORM_MIN_ELEMENTS, minibert.kernels.layer_norm's kernels run it:
-    their backward reads the gradient and x once for dx, dweight and dbias, where nn.LayerNorm's reads
-    them twice (two kernels). Everywhere else: nn.LayerNorm itself, its twin."""
-
-    def __init__(self, h, eps, config):
-        super().__init__(h, eps=eps)
-        self.fused = config.layernorm_fusion
-
-    def forward(self, x):
-        if self.fused and fused_kernels_apply(x) and x.numel() >= FUSED_LAYER_NORM_MIN_ELEMENTS:
-            from minibert.kernels.layer_norm import layer_norm
-            return layer_norm(x, self.weight, self.bias, self.eps)
-        return super().forward(x)
+    twins: CUDA tensors in fp16/bf16. The CPU always runs the plain ops."""
+    return x.is_cuda and x.dtype in (torch.float16, torch.bfloat16)
 
 
 class Table(nn.Embedding):
@@ -102,7 +84,7 @@ class Embedding(nn.Module):
         self.position_embeddings = Table(config.max_positions, h)
         self.tokentype_embeddings = Table(NUM_TOKEN_TYPES, h)
         # post-LN (HF) normalises the embeddings; Megatron's pre-LN leaves that to the first layer's LN1
-        self.layernorm = LayerNorm(h, config.layernorm_epsilon, config) if config.post_ln else None
+        self.layernorm = nn.LayerNorm(h, eps=config.layernorm_epsilon) if config.post_ln else None
         self.dropout = config.hidden_dropout
 
     def forward(self, tokens, types=None):
@@ -180,23 +162,14 @@ class SelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    """[b, s, h] -> [b, s, h]: dense h -> ffn, GeLU (the exact erf form), dense ffn -> h.
-
-    With --bias-gelu-fusion on a GPU in fp16/bf16 the first dense leaves its bias out (Megatron's
-    skip_bias_add) and one Triton kernel adds it and applies the GeLU; its backward also sums the bias
-    gradient (minibert.kernels.bias_gelu). Everywhere else: the plain ops, its twin."""
+    """[b, s, h] -> [b, s, h]: dense h -> ffn, GeLU (the exact erf form), dense ffn -> h."""
 
     def __init__(self, config):
         super().__init__()
         self.dense_h_to_4h = Linear(config.hidden_size, config.ffn_size)  # column-parallel under TP
         self.dense_4h_to_h = Linear(config.ffn_size, config.hidden_size)  # row-parallel; output projection
-        self.fused = config.bias_gelu_fusion
 
     def forward(self, x):
-        if self.fused and fused_kernels_apply(x):
-            from minibert.kernels.bias_gelu import bias_gelu
-            y = self.dense_h_to_4h.forward_without_bias(x)
-            return self.dense_4h_to_h(bias_gelu(y, self.dense_h_to_4h.bias))
         return self.dense_4h_to_h(F.gelu(self.dense_h_to_4h(x)))
 
 
@@ -208,9 +181,9 @@ class TransformerLayer(nn.Module):
         super().__init__()
         h, eps = config.hidden_size, config.layernorm_epsilon
         self.post_ln = config.post_ln
-        self.attention_layernorm = LayerNorm(h, eps, config)
+        self.attention_layernorm = nn.LayerNorm(h, eps=eps)
         self.self_attention = SelfAttention(config)
-        self.mlp_layernorm = LayerNorm(h, eps, config)
+        self.mlp_layernorm = nn.LayerNorm(h, eps=eps)
         self.mlp = MLP(config)
         self.dropout = config.hidden_dropout
         self.rng_context = contextlib.nullcontext  # sequence parallelism: each rank's own generator
@@ -293,7 +266,7 @@ class LMHead(nn.Module):
         super().__init__()
         h = config.hidden_size
         self.dense = Linear(h, h)
-        self.layernorm = LayerNorm(h, config.layernorm_epsilon, config)
+        self.layernorm = nn.LayerNorm(h, eps=config.layernorm_epsilon)
         self.bias = nn.Parameter(torch.zeros(config.padded_vocab_size))
         self.decoder = TiedDecoder(config.vocab_size)
 
@@ -368,7 +341,7 @@ class BertModel(nn.Module):
             self.embedding = WordEmbeddingCopy(config)
         self.layers = Layers({str(i): TransformerLayer(config) for i in layer_numbers})
         if post_process:
-            self.final_layernorm = None if config.post_ln else LayerNorm(h, eps, config)
+            self.final_layernorm = None if config.post_ln else nn.LayerNorm(h, eps=eps)
             self.lm_head = LMHead(config)
             self.pooler = Linear(h, h) if config.binary_head else None
             self.binary_head = Linear(h, 2) if config.binary_head else None
@@ -379,17 +352,6 @@ class BertModel(nn.Module):
         self.to_layers, self.from_layers = nn.Identity(), nn.Identity()
         if init:
             init_parameters(self, config.seed)
-
-    def compile_layers(self):
-        """--compile-layers: torch.compile each transformer layer (compiled on its first call; layers of one
-        shape share their graphs). Inside the graphs the plain ops run and Inductor writes fused kernels for
-        them; SelfAttention.attend, the attention kernels, stays outside (chapter 8, section 5): it is wrapped
-        here, not decorated, because torch.compiler.disable imports the compiler, a second of start-up that
-        every run would pay."""
-        for layer in self.layers.values():
-            attention = layer.self_attention
-            attention.attend = torch.compiler.disable(attention.attend)  # kernels, RNG swap, recompute as they are
-            layer.compile()
 
     def attention_backend(self, device) -> str:
         """config.attention_backend resolved for this device and compute dtype (autocast's if it is on)."""

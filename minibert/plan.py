@@ -4,7 +4,7 @@
 
 It takes exactly the flags minibert/train.py takes (the same parser, plus the launch and hardware
 flags) and checks them exactly as the trainer will on N x G GPUs, with
-minibert.config.validate(cfg, world_size=N*G, device_type="cuda"). That function stops at the first
+minibert.validate.validate(cfg, world_size=N*G, device_type="cuda"). That function stops at the first
 problem; the planner first lists *every* broken layout rule, one line each, then exits 2:
 
     world = TP x PP x DP               heads, hidden and FFN divisible by TP    seq <= max positions

@@ -148,7 +148,7 @@ def activation_bytes(cfg) -> int:
 
 def layer_activations(cfg, backend, recompute=None, mask_bytes=1, stats_bytes=4) -> LayerActivations:
     """One layer, one micro-batch of --micro-batch-size samples. backend: a resolved attention backend
-    (flash, local, unfused, fused). recompute: None, "selective" or "full". mask_bytes / stats_bytes: a
+    (flash, local, fused). recompute: None, "selective" or "full". mask_bytes / stats_bytes: a
     dropout mask element and a LayerNorm statistic (GPU: bool and fp32; the CPU keeps both in the
     activation dtype, which the test uses)."""
     b, s, h, f = cfg.micro_batch_size, cfg.seq_length, cfg.hidden_size, cfg.ffn_size
@@ -168,7 +168,7 @@ def layer_activations(cfg, backend, recompute=None, mask_bytes=1, stats_bytes=4)
         core = 4 * b * heads * s + 4 * tokens + 8 * b  # fp32 log-sum-exp per row; the padding bias; per sample
         #                                                two int32: 1 + its last real key, its first padded key
     else:
-        softmax = 4 if backend in ("local", "unfused") else e  # local: fp32 softmax; fused: the scores' dtype
+        softmax = 4 if backend == "local" else e  # local: fp32 softmax; fused: the scores' dtype
         if cfg.attention_dropout > 0:
             kept = softmax + mask_bytes + e  # probabilities, dropout mask, dropped probabilities (for P V)
         else:

@@ -117,9 +117,6 @@ def validate(cfg: Config, world_size: int = 1, device_type: str = "cpu", warn=_w
         raise UsageError(f"the LR warmup ({warmup_iters:g} iterations) must be shorter than --lr-decay-iters "
                          f"{cfg.lr_decay_iters}: lower --lr-warmup-iters / --lr-warmup-fraction or raise "
                          "--lr-decay-iters")
-    if cfg.compile_layers and cfg.tensor_model_parallel_size > 1:
-        raise UsageError("--compile-layers compiles one rank's whole layers; tensor-parallel layers communicate "
-                         "inside them: use it with --tensor-model-parallel-size 1")
     _validate_save(cfg)
     _validate_for_device(cfg, device_type, warn)
     _validate_cuda_graph(cfg, device_type, warn)

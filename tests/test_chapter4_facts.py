@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from minibert.batches import MicroBatchSampler
-from minibert.config import Config, validate
+from minibert.config import Config
+from minibert.validate import validate
 from minibert.model import BertModel
 from minibert.optim import build_optimizer
 from minibert.parallel.data_parallel import DataParallelGrads

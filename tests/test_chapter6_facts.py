@@ -9,7 +9,9 @@ from fractions import Fraction
 
 import torch
 
-from minibert.config import Config, validate
+from minibert.config import Config
+
+from minibert.validate import validate
 from minibert.model import BertModel
 from minibert.parallel import p2p_plan
 from minibert.parallel.schedules import layer_ranges, simulate

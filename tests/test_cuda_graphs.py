@@ -4,9 +4,10 @@ by value draws (TRITON_INTERPRET=1), draw_seed outside a capture, and what the f
 import pytest
 import torch
 
-from minibert.config import Config, validate
+from minibert.config import Config
 from minibert.errors import UsageError
 from minibert.kernels.dropout import draw_seed, seed_in_memory
+from minibert.validate import validate
 
 
 def test_every_dropout_kernel_reads_a_seed_from_memory_as_it_takes_one_by_value():

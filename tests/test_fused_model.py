@@ -28,10 +28,10 @@ def batch():
     return tokens, padding, loss_mask, labels, torch.tensor([0, 1])
 
 
-def loss_and_grads(post_ln, fused, layernorm_fusion=False, **flags):
+def loss_and_grads(post_ln, fused, **flags):
     cfg = Config(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=4, seq_length=SEQ, vocab_size=VOCAB,
                  hidden_dropout=0.0, attention_dropout=0.0, post_ln=post_ln, bias_dropout_fusion=fused,
-                 cross_entropy_loss_fusion=fused, layernorm_fusion=layernorm_fusion, **flags)
+                 cross_entropy_loss_fusion=fused, **flags)
     model = BertModel(cfg)
     tokens, padding, loss_mask, labels, is_random = batch()
     out = model(tokens, padding_mask=padding)
@@ -43,7 +43,7 @@ def loss_and_grads(post_ln, fused, layernorm_fusion=False, **flags):
 @pytest.fixture
 def counted(monkeypatch):
     """CPU tensors take the fused path; every kernel call is counted (the real kernels run)."""
-    calls = {"layer_norm": 0, "cross_entropy": 0, "layer_norm alone": 0}
+    calls = {"layer_norm": 0, "cross_entropy": 0}
 
     def counting(module, name, key):
         real = getattr(module, name)
@@ -54,7 +54,6 @@ def counted(monkeypatch):
         monkeypatch.setattr(module, name, wrapper)
     counting(layer_norm_kernels, "dropout_add_layer_norm", "layer_norm")
     counting(cross_entropy_kernels, "fused_cross_entropy", "cross_entropy")
-    counting(layer_norm_kernels, "layer_norm", "layer_norm alone")
     monkeypatch.setattr(model_module, "fused_kernels_apply", lambda x: True)
     return calls
 
@@ -62,10 +61,10 @@ def counted(monkeypatch):
 @pytest.mark.parametrize("post_ln", [False, True], ids=["pre-LN", "post-LN"])
 def test_fused_path_equals_the_plain_twin(post_ln, counted, monkeypatch):
     plain_loss, plain_grads = loss_and_grads(post_ln, fused=False)
-    assert counted == {"layer_norm": 0, "cross_entropy": 0, "layer_norm alone": 0}  # the flags off: plain ops
+    assert counted == {"layer_norm": 0, "cross_entropy": 0}  # the flags off: plain ops
     monkeypatch.setattr(model_module, "FUSED_LAYER_NORM_MIN_ELEMENTS", 0)
     fused_loss, fused_grads = loss_and_grads(post_ln, fused=True)
-    assert counted == {"layer_norm": 2 * LAYERS, "cross_entropy": 1, "layer_norm alone": 0}  # 2 a layer, 1 loss
+    assert counted == {"layer_norm": 2 * LAYERS, "cross_entropy": 1}  # 2 a layer, 1 loss
     assert torch.allclose(fused_loss, plain_loss, rtol=1e-5, atol=0)
     for name, grad in plain_grads.items():
         scale = float(grad.abs().max())
@@ -77,29 +76,7 @@ def test_small_tensors_keep_the_plain_layer_norm(counted):
     plain ops, where the host's cost of the fused one was measured to outweigh it; the loss still fuses."""
     assert 2 * SEQ * HIDDEN < model_module.FUSED_LAYER_NORM_MIN_ELEMENTS
     loss_and_grads(post_ln=False, fused=True)
-    assert counted == {"layer_norm": 0, "cross_entropy": 1, "layer_norm alone": 0}
-
-
-@pytest.mark.parametrize("post_ln", [False, True], ids=["pre-LN", "post-LN"])
-def test_layernorm_fusion_equals_the_plain_twin(post_ln, counted, monkeypatch):
-    """--layernorm-fusion on top of the other fused kernels: the LayerNorms that follow no residual add
-    take kernels.layer_norm.layer_norm (pre-LN: each layer's LN1, the final LayerNorm and the LM head's;
-    post-LN: the embeddings' and the LM head's), with the same loss and gradients as nn.LayerNorm. With
-    pre-LN's LayerNorms chained (--residual-layernorm-fusion, the default) only the first layer's LN1 and
-    the LM head's are left to it."""
-    monkeypatch.setattr(model_module, "FUSED_LAYER_NORM_MIN_ELEMENTS", 0)
-    plain_loss, plain_grads = loss_and_grads(post_ln, fused=True, residual_layernorm_fusion=False)
-    assert counted["layer_norm alone"] == 0
-    fused_loss, fused_grads = loss_and_grads(post_ln, fused=True, layernorm_fusion=True,
-                                             residual_layernorm_fusion=False)
-    assert counted["layer_norm alone"] == (2 if post_ln else LAYERS + 2)
-    counted.update(dict.fromkeys(counted, 0))
-    loss_and_grads(post_ln, fused=True, layernorm_fusion=True)
-    assert counted["layer_norm alone"] == 2
-    assert torch.allclose(fused_loss, plain_loss, rtol=1e-5, atol=0)
-    for name, grad in plain_grads.items():
-        scale = float(grad.abs().max())
-        assert float((fused_grads[name] - grad).abs().max()) <= 1e-4 * scale + 1e-7, name
+    assert counted == {"layer_norm": 0, "cross_entropy": 1}
 
 
 def chained_loss_and_grads(chained, **overrides):

@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from minibert.batches import build_data_iterator, build_datasets, get_batch
-from minibert.config import Config, validate
+from minibert.config import Config
 from minibert.packing import gather_rows, make_packing, scatter_rows, trimmed_length
 from minibert.train import build_model_and_optimizer, forward_step
+from minibert.validate import validate
 
 
 def test_packing_indices_round_trip():

@@ -5,7 +5,7 @@
 - activations: the per-layer formula equals the bytes autograd really saves for the backward (counted
   with saved_tensors_hooks on the CPU, local and flash attention, fp32 and bf16, dropout on and off);
 - micro-batches in flight, FLOPs and the bubble agree with schedules.py and training_log.py;
-- the checks: the planner refuses exactly the layouts minibert.config.validate refuses, and lists every
+- the checks: the planner refuses exactly the layouts minibert.validate.validate refuses, and lists every
   layout problem where validate stops at the first; the guide's 340M script is refused with its reasons."""
 import dataclasses
 import itertools
@@ -15,12 +15,13 @@ import pytest
 import torch
 
 from minibert import plan, plan_memory as pm, plan_time
-from minibert.config import Config, validate
+from minibert.config import Config
 from minibert.errors import UsageError
 from minibert.model import BertModel, TransformerLayer, pretraining_loss
 from minibert.parallel import layers as tp_layers
 from minibert.parallel.schedules import simulate
 from minibert.training_log import model_flops
+from minibert.validate import validate
 
 GUIDE_340M = ("--num-layers 24 --hidden-size 1024 --num-attention-heads 16 --seq-length 512 "
               "--max-position-embeddings 512 --attention-backend auto --micro-batch-size 4 --global-batch-size 32 "

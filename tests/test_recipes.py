@@ -13,7 +13,8 @@ import sys
 import pytest
 
 from minibert import plan_memory as pm
-from minibert.config import parse_args, validate
+from minibert.config import parse_args
+from minibert.validate import validate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB = "minibert/vocab/bert-base-uncased-vocab.txt"

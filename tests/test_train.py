@@ -11,11 +11,12 @@ import pytest
 import torch
 
 from minibert import checkpoint
-from minibert.config import Config, validate
+from minibert.config import Config
 from minibert.train import (MicroBatchSampler, build_data_iterator, build_datasets, build_model_and_optimizer,
                             main, train, train_step)
 from minibert.batches import batch_flops
 from minibert.training_log import IntervalStats, TrainingLogger
+from minibert.validate import validate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN_PY = os.path.join(ROOT, "minibert", "train.py")

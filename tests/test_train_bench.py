@@ -7,8 +7,6 @@ import os
 import subprocess
 import sys
 
-import torch
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # (section, words every one of its rows must hold, how many rows)
@@ -82,18 +80,6 @@ def test_contenders_runs_only_the_named_ones_and_refuses_an_unknown_name():
                             text=True, timeout=300)
     assert result.returncode == 2 and "no contender 'HF'" in result.stderr, result.stderr[-2000:]
     assert len(result.stderr.strip().splitlines()) == 1
-
-
-def test_compiled_layer_contenders_run_only_when_named():
-    """make bench leaves the --compile-layers contenders out (a minute of compiling per section); naming
-    them with --contenders runs them (on a GPU: the CPU skips every compiled contender)."""
-    from types import SimpleNamespace
-
-    from bench.train_bench import OPT_IN, contenders_for
-    gpu = torch.device("cuda")
-    names = ["minibert", *OPT_IN, "HF compiled"]
-    assert contenders_for(names, SimpleNamespace(only=None, device=gpu)) == ["minibert", "HF compiled"]
-    assert contenders_for(names, SimpleNamespace(only=(OPT_IN[0], "minibert"), device=gpu)) == ["minibert", OPT_IN[0]]
 
 
 def test_profile_steps_puts_kernels_in_their_categories():

@@ -261,7 +261,7 @@ def test_all_padding_and_nothing_masked_give_finite_losses(tiny_data):
     from minibert.train import build_model_and_optimizer, forward_step
     cfg = Config(num_layers=1, hidden_size=16, num_attention_heads=2, seq_length=16, micro_batch_size=2,
                  global_batch_size=2, train_iters=1, lr=1e-3, vocab_file=tiny_data["vocab"])
-    from minibert.config import validate
+    from minibert.validate import validate
     validate(cfg)
     zeros = torch.zeros(2, 16, dtype=torch.int64)
     batch_cpu = {"text": zeros, "types": zeros, "labels": torch.full((2, 16), -1), "padding_mask": zeros,

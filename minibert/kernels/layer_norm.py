@@ -15,8 +15,6 @@ Each sublayer f (attention, MLP) ends with dropout, a residual add and a LayerNo
 
 so one op serves both: dropout_add_layer_norm(residual, y, ...) -> (x = residual + drop(y), LN(x)).
 Pre-LN uses both outputs, post-LN only the second (its grad_x is None in the backward).
-The LayerNorms that follow no add (pre-LN's LN1, the final one, the LM head's) are the same kernels
-with no y: layer_norm(x, ...) reads x once and does not store it again (--layernorm-fusion).
 
 2. Why fuse: bytes
 ------------------
@@ -152,9 +150,8 @@ def _hidden_keep(seed, rows, start, h, threshold, BLOCK_N: tl.constexpr):
 @triton.jit(do_not_specialize=["seed", "threshold"])
 def _dropout_add_ln_fwd_kernel(RES, Y, W, B, X, NORMED, STATS, n_rows, h, eps, seed, threshold, keep_scale,
                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DROPOUT: tl.constexpr,
-                               HAS_Y: tl.constexpr, HAS_LN: tl.constexpr, SEED_IN_MEMORY: tl.constexpr):
+                               HAS_LN: tl.constexpr, SEED_IN_MEMORY: tl.constexpr):
     """x = res + drop(y) and normed = LN(x) * w + b for BLOCK_M rows, each row whole in registers.
-    HAS_Y = False is the LayerNorm alone (layer_norm): x is res itself, read once and not stored.
 
         [rows, h] viewed flat          program p: rows p*BLOCK_M .. +BLOCK_M, columns 0 .. BLOCK_N-1
         +------- h -------+...+        (columns past h load as 0 and are never stored)
@@ -168,12 +165,11 @@ def _dropout_add_ln_fwd_kernel(RES, Y, W, B, X, NORMED, STATS, n_rows, h, eps, s
     inside = (rows < n_rows)[:, None] & (cols < h)[None, :]                          # [BLOCK_M, BLOCK_N]
     offsets = rows.to(tl.int64)[:, None] * h + cols[None, :]                         # past 2^31 elements
     x = tl.load(RES + offsets, mask=inside, other=0.0)
-    if HAS_Y:
-        y = tl.load(Y + offsets, mask=inside, other=0.0).to(tl.float32)
-        if DROPOUT:
-            y = tl.where(_hidden_keep(seed, rows, 0, h, threshold, BLOCK_N), y * keep_scale, 0.0)
-        x = (x.to(tl.float32) + y).to(X.dtype.element_ty)                            # one rounding
-        tl.store(X + offsets, x, mask=inside)
+    y = tl.load(Y + offsets, mask=inside, other=0.0).to(tl.float32)
+    if DROPOUT:
+        y = tl.where(_hidden_keep(seed, rows, 0, h, threshold, BLOCK_N), y * keep_scale, 0.0)
+    x = (x.to(tl.float32) + y).to(X.dtype.element_ty)                                # one rounding
+    tl.store(X + offsets, x, mask=inside)
     if HAS_LN:
         x = x.to(tl.float32)                       # the rounded x: what eager's LayerNorm sees, what bwd reloads
         mean = tl.sum(x, axis=1) / h                                                 # [BLOCK_M]
@@ -292,18 +288,17 @@ def _keep_scale(dropout_p):
 
 def _forward(residual, y, weight, bias, eps, dropout_p, seed, tile):
     """Launch the forward on contiguous [..., h] inputs -> (x, normed or None, stats fp32 [2, rows]:
-    mean and rstd per row, the only extra thing the backward needs). y=None: the LayerNorm of residual
-    alone, and x is residual itself."""
+    mean and rstd per row, the only extra thing the backward needs)."""
     h = residual.shape[-1]
     n_rows = residual.numel() // h                                       # [..., h] viewed as [n_rows, h]
-    x = torch.empty_like(residual) if y is not None else residual
+    x = torch.empty_like(residual)
     normed = None if weight is None else torch.empty_like(residual)
     stats = torch.empty(2, n_rows, dtype=torch.float32, device=residual.device)
     if n_rows:
         _dropout_add_ln_fwd_kernel[(triton.cdiv(n_rows, tile.block_m),)](
             residual, y, weight, bias, x, normed, stats, n_rows, h, eps, seed, dropout_threshold(dropout_p),
             _keep_scale(dropout_p), BLOCK_M=tile.block_m, BLOCK_N=_block_n(h), DROPOUT=dropout_p > 0,
-            HAS_Y=y is not None, HAS_LN=weight is not None, SEED_IN_MEMORY=seed_in_memory(seed),
+            HAS_LN=weight is not None, SEED_IN_MEMORY=seed_in_memory(seed),
             num_warps=tile.num_warps)
     return x, normed, stats
 
@@ -384,38 +379,6 @@ def dropout_add_layer_norm(residual, y, weight, bias, eps, dropout_p=0.0, seed=N
     seed = kernel_seed(seed, dropout_p, residual.device)
     return _DropoutAddLayerNorm.apply(residual, y, weight, bias, float(eps), dropout_p, seed,
                                       pick_tiles(residual.shape[-1]))
-
-
-class _LayerNorm(torch.autograd.Function):
-    """The LayerNorm alone: the same two kernels with no y (no add, no dropout, x not stored). Saves the
-    input x and the fp32 mean and rstd, as nn.LayerNorm's backward needs them too."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, eps, tiles):
-        x = x.contiguous()
-        _, normed, stats = _forward(x, None, weight, bias, eps, 0.0, 0, tiles[0])
-        ctx.save_for_backward(x, weight, stats)
-        ctx.tiles = tiles
-        return normed
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_normed):
-        x, weight, stats = ctx.saved_tensors
-        d_x, _, sums = _backward(x, weight, stats, None, grad_normed.contiguous(), 0.0, 0, ctx.tiles[1], False)
-        need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        return d_x if need_x else None, sums[0] if need_w else None, sums[1] if need_b else None, None, None
-
-
-def layer_norm(x, weight, bias, eps):
-    """LayerNorm(x) * weight + bias over the last dim, as F.layer_norm, with this file's kernels: forward
-    read x, write normed (2 T); backward read dnormed and x, write dx (3 T), dweight and dbias from the
-    same pass (section 3). nn.LayerNorm's CUDA backward runs dx and the weight gradient as two kernels,
-    the second reading dnormed and x again. Same inputs as dropout_add_layer_norm without y."""
-    _check_inputs(x, x, weight, bias, eps, 0.0)
-    if weight is None:
-        raise UsageError("layer_norm: give weight and bias (for no LayerNorm at all, do not call it)")
-    return _LayerNorm.apply(x, weight, bias, float(eps), pick_tiles(x.shape[-1]))
 
 
 def hidden_dropout_keep_mask(rows, width, seed, dropout_p, device="cpu"):

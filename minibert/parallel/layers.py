@@ -78,17 +78,10 @@ class ColumnParallelLinear(nn.Module):
             mark_sharded(self.bias, 0, group, (out_features,))
 
     def forward(self, x):
-        return self._forward(x, self.bias)
-
-    def forward_without_bias(self, x):
-        """X A_r without the bias (Megatron's skip_bias_add): the caller adds it in a fused kernel."""
-        return self._forward(x, None)
-
-    def _forward(self, x, bias):
         if self.sequence_parallel and self.group is not None:
-            y = _LinearWithSequenceGather.apply(x, self.weight, bias, self.group)
+            y = _LinearWithSequenceGather.apply(x, self.weight, self.bias, self.group)
         else:
-            y = linear(copy_to_tensor_parallel_region(x, self.group), self.weight, bias)  # f, then X A_r
+            y = linear(copy_to_tensor_parallel_region(x, self.group), self.weight, self.bias)  # f, then X A_r
         if self.gather_output:
             y = gather_from_tensor_parallel_region(y, self.group)
         return y

@@ -70,7 +70,8 @@ def test_captured_dropout_draws_new_numbers_at_every_replay():
 
 def trainer_pieces(tmp_path, **overrides):
     from minibert.batches import build_datasets
-    from minibert.config import Config, validate
+    from minibert.config import Config
+    from minibert.validate import validate
     from minibert.corpus import write_default_corpus
     from minibert.preprocess import preprocess
     from minibert.tokenizer import build_tokenizer
