@@ -168,13 +168,14 @@ def target_args(args: dict, tp, pp, vp_layers=None, first=None, last=None) -> di
 
 
 def check_target(args: dict):
-    """config.validate for a world of T x P processes: the target must divide the heads, hidden and FFN
+    """validate() for a world of T x P processes: the target must divide the heads, hidden and FFN
     sizes and the layers. Released weights carry no training flags: placeholders, which no layout check reads."""
     from minibert.validate import validate
     pp = args["pipeline_model_parallel_size"]
     placeholders = {"micro_batch_size": 1, "global_batch_size": pp, "train_iters": 1, "lr": 0.0}
+    # the layout check reads neither the vocab (the bundled one stands in) nor the writing run's directories
     cfg = checkpoint.config_from_args({**args, **{k: v for k, v in placeholders.items() if args.get(k) is None},
-                                       "vocab_file": None})  # the bundled vocab: the layout does not read it
+                                       "vocab_file": None, "save": None, "load": None})
     try:
         validate(cfg, cfg.tensor_model_parallel_size * cfg.pipeline_model_parallel_size, "cpu", warn=None)
     except UsageError as e:
