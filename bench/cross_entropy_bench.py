@@ -139,7 +139,7 @@ def _sweep(device, tiny):
     padded, vocab = TINY_VOCAB if tiny else (PADDED_VOCAB, VOCAB)
     x, labels, grad_loss = _problem(n, padded, vocab, 1.0, device)
     x = x.detach()
-    loss_ref, m_ref, s_ref = ce._forward(x, labels, -1)
+    loss_ref, m_ref, s_ref, _ = ce._forward(x, labels, -1)
     grad_ref = ce._backward(x, labels, m_ref, s_ref, grad_loss, -1)
     rows = []
     for block_v in ((64, 256) if tiny else SWEEP_BLOCKS):
@@ -147,7 +147,7 @@ def _sweep(device, tiny):
             if not tiny and not 4 <= block_v // (32 * num_warps) <= 128:   # elements per thread per chunk
                 continue
             config = ce.CrossEntropyConfig(block_v=block_v, num_warps=num_warps)
-            loss, _, _ = ce._forward(x, labels, -1, config)
+            loss, _, _, _ = ce._forward(x, labels, -1, config)
             grad = ce._backward(x, labels, m_ref, s_ref, grad_loss, -1, config)
             _check(f"sweep {config}", (loss, grad), (loss_ref, grad_ref))
             t_fwd = _time_ms(lambda: ce._forward(x, labels, -1, config), device)

@@ -58,6 +58,8 @@ import weakref
 
 import torch
 
+from minibert.training_log import COUNTS
+
 BATCH_INPUTS = ("text", "types", "labels", "loss_mask", "is_random", "is_pad")  # [b, s] and [b] tensors
 
 
@@ -104,7 +106,7 @@ class CapturedMicroBatch:
         gc.disable()
         try:
             with torch.cuda.graph(self.graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
-                self.losses, self.has_sop = run(True)  # [3]: loss, lm loss, sop loss
+                self.losses, self.counts, self.has_sop = run(True)  # [3] losses, [2 or 4] accuracy counts
         finally:
             if collecting:
                 gc.enable()
@@ -115,16 +117,23 @@ class CapturedMicroBatch:
         for name, tensor in (graph_inputs(batch) if inputs is None else inputs).items():
             self.static[name].copy_(tensor, non_blocking=True)
         self.graph.replay()
-        losses = self.losses.clone()  # the next replay overwrites self.losses (and may reuse its memory)
-        metrics = {"lm loss": losses[1], "flops": batch["flops"], "tokens": batch["tokens"]}
-        if self.has_sop:
-            metrics["sop loss"] = losses[2]
-        return losses[0], metrics
+        # the next replay overwrites the outputs (and may reuse their memory): copy them now
+        return replayed_metrics(self.losses.clone(), self.counts.clone(), self.has_sop, batch)
+
+
+def replayed_metrics(losses, counts, has_sop, batch):
+    """forward_step's (loss, metrics) from what forward_backward packed: the inverse of its packing."""
+    metrics = {"lm loss": losses[1], **dict(zip(COUNTS, counts)), "flops": batch["flops"], "tokens": batch["tokens"]}
+    if has_sop:
+        metrics["sop loss"] = losses[2]
+    return losses[0], metrics
 
 
 def forward_backward(forward_step, model, optimizer, num_micro_batches, batch, accumulate=True):
     """The micro-batch as the eager schedule runs it (pipeline.forward_backward_no_pipelining) ->
-    (float32 [3]: loss, lm loss, sop loss (lm loss again without the binary head), has the sop loss)."""
+    (float32 [3]: loss, lm loss, sop loss (lm loss again without the binary head), int64 [4]: the accuracy
+    counts in COUNTS order (lm correct, lm masked, sop correct, sop samples; the first 2 without the
+    binary head), has the sop loss). Two packed tensors, so a replay copies its outputs in two copies."""
     loss, metrics = forward_step(batch, model, None)
     for g in optimizer.grads:
         g.set_last_micro_batch(False)  # nothing is reduced inside a graph
@@ -136,7 +145,8 @@ def forward_backward(forward_step, model, optimizer, num_micro_batches, batch, a
             for p in g.params:
                 p.grad = None
     sop = metrics.get("sop loss", metrics["lm loss"])
-    return torch.stack([loss.detach(), metrics["lm loss"], sop]), "sop loss" in metrics
+    counts = torch.stack([metrics[name] for name in COUNTS if name in metrics])
+    return torch.stack([loss.detach(), metrics["lm loss"], sop]), counts, "sop loss" in metrics
 
 
 def warm_up(run, stream, grads=()):

@@ -306,18 +306,32 @@ def _run_layers(steps, x, normed, padding_mask, backend, packing=None):
     return x, normed
 
 
-def lm_cross_entropy(logits, labels, fused=False):
+def label_is_max(logits, labels, ignore_index=-1):
+    """bool [n]: the label's logit equals the row's largest, i.e. the model's prediction (the argmax) is
+    the label; a tie for the maximum counts as right. False where the label is ignore_index. logits [n, C],
+    labels [n]. Every path counts the same way: the fused kernel compares the same two numbers, and the
+    vocab-parallel loss compares the label's logit with the maximum it all-reduces anyway."""
+    target = logits.gather(1, labels.clamp(min=0)[:, None]).squeeze(1)  # [n]; ignored rows read column 0
+    return (labels != ignore_index) & (target == logits.max(dim=-1).values)
+
+
+def lm_cross_entropy(logits, labels, fused=False, with_correct=False):
     """Per-position CE in fp32 (bf16/fp16 logits lose too much precision in the log-softmax): logits
     [n, vocab], labels [n] (-1: not a masked position) -> [n]. Tensor parallelism swaps in a vocab-parallel
     cross entropy that takes logits [n, vocab / TP].
 
+    with_correct=True: -> (loss [n], correct bool [n]), correct = label_is_max(logits, labels), what the
+    masked-LM accuracy counts.
+
     fused=True (--cross-entropy-loss-fusion, the default) on a GPU with 16-bit logits: one Triton kernel
     that reads the logits once and never makes their fp32 copy (minibert.kernels.cross_entropy), the same
-    numbers up to the order of fp32 sums; the line below is its plain twin."""
+    numbers up to the order of fp32 sums (and the same correct flags); the lines below are its plain twin."""
     if fused and fused_kernels_apply(logits):
         from minibert.kernels.cross_entropy import fused_cross_entropy
-        return fused_cross_entropy(logits, labels)
-    return F.cross_entropy(logits.float(), labels, ignore_index=-1, reduction="none")
+        return fused_cross_entropy(logits, labels, with_correct=with_correct)
+    logits = logits.float()
+    loss = F.cross_entropy(logits, labels, ignore_index=-1, reduction="none")
+    return (loss, label_is_max(logits, labels)) if with_correct else loss
 
 
 class BertModel(nn.Module):
@@ -433,7 +447,7 @@ class BertModel(nn.Module):
 
 
 def pretraining_loss(output, labels, loss_mask, is_random, sparse=False, cross_entropy=lm_cross_entropy,
-                     positions=None):
+                     positions=None, counts=False):
     """-> (loss, lm_loss, sop_loss or None), all fp32 scalars whatever dtype the model ran in.
 
     lm_loss  = sum_i ce_i * loss_mask_i / max(sum_i loss_mask_i, 1)   (0, not NaN, when nothing is masked)
@@ -441,7 +455,13 @@ def pretraining_loss(output, labels, loss_mask, is_random, sparse=False, cross_e
     labels [b, s] (-1 where not selected), loss_mask [b, s], is_random [b]. With sparse=True the model was
     called with lm_mask = (loss_mask != 0), so lm_logits holds those positions' rows in row-major order.
     positions: int64 [rows], the flat positions (b * s + j) the rows of lm_logits belong to (packed or
-    sparse runs). cross_entropy(logits [n, vocab], labels [n]) -> [n]: the model's lm_cross_entropy."""
+    sparse runs). cross_entropy(logits [n, vocab], labels [n]) -> [n]: the model's lm_cross_entropy.
+
+    counts=True adds a fourth item, what the accuracies are made of: int64 device scalars
+        "lm correct"  masked positions (loss_mask != 0) whose label is the argmax (label_is_max)
+        "lm masked"   masked positions
+        "sop correct", "sop samples"   the same for the SOP head (only with it)
+    cross_entropy must then take with_correct=True (every loss in minibert does)."""
     logits = output.lm_logits
     loss_mask = loss_mask.float()
     if positions is not None:
@@ -452,9 +472,23 @@ def pretraining_loss(output, labels, loss_mask, is_random, sparse=False, cross_e
         if logits.shape[0] != labels.shape[0]:
             raise ValueError(f"sparse loss: {logits.shape[0]} LM rows for {labels.shape[0]} masked positions;"
                              " call the model with lm_mask=(loss_mask != 0)")
-    ce = cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))  # [b*s, vocab] -> [b*s]
-    lm_loss = (ce * loss_mask.reshape(-1)).sum() / loss_mask.sum().clamp(min=1.0)
-    if output.binary_logits is None:
-        return lm_loss, lm_loss, None
-    sop_loss = F.cross_entropy(output.binary_logits.float(), is_random.reshape(-1).long())
-    return lm_loss + sop_loss, lm_loss, sop_loss
+    logits, labels, loss_mask = logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), loss_mask.reshape(-1)
+    if counts:
+        ce, correct = cross_entropy(logits, labels, with_correct=True)  # [b*s, vocab] -> [b*s], [b*s]
+    else:
+        ce = cross_entropy(logits, labels)
+    lm_loss = (ce * loss_mask).sum() / loss_mask.sum().clamp(min=1.0)
+    sop_loss = None
+    if output.binary_logits is not None:
+        sop_logits, sop_labels = output.binary_logits.float(), is_random.reshape(-1).long()
+        sop_loss = F.cross_entropy(sop_logits, sop_labels)
+    loss = lm_loss if sop_loss is None else lm_loss + sop_loss
+    if not counts:
+        return loss, lm_loss, sop_loss
+    masked = loss_mask != 0
+    accuracy_counts = {"lm correct": (correct & masked).sum(), "lm masked": masked.sum()}
+    if sop_loss is not None:
+        accuracy_counts["sop correct"] = label_is_max(sop_logits, sop_labels).sum()
+        accuracy_counts["sop samples"] = torch.full((), sop_labels.numel(), dtype=torch.int64,
+                                                    device=sop_labels.device)  # a fill: no host-to-device copy
+    return loss, lm_loss, sop_loss, accuracy_counts

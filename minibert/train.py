@@ -46,7 +46,7 @@ from minibert.parallel import faults
 from minibert.parallel.pipeline import forward_backward_no_pipelining, forward_backward_pipelining, forward_pipelining
 from minibert.parallel.state import ParallelState
 from minibert.profiling import Profiler
-from minibert.training_log import IntervalStats, TrainingLogger, reduce_over_data_parallel
+from minibert.training_log import COUNTS, IntervalStats, TrainingLogger, accuracies, reduce_over_data_parallel
 from minibert.validate import validate
 
 
@@ -94,16 +94,17 @@ def use_checkpoint_args(cfg):
 # ---------------------------------------------------------------- one step
 def forward_step(batch, model, hidden_states, cfg):
     """One micro-batch through this model chunk -> (loss, metrics) on the stage with the heads: fp32
-    device scalars lm loss / sop loss, and the micro-batch's model FLOPs and real tokens (host numbers,
-    for the log line). Earlier pipeline stages return (hidden states, None)."""
+    device scalars lm loss / sop loss, int64 device scalars counting the right predictions (lm correct,
+    lm masked, sop correct, sop samples: pretraining_loss), and the micro-batch's model FLOPs and real
+    tokens (host numbers, for the log line). Earlier pipeline stages return (hidden states, None)."""
     output = model(batch["text"], batch["types"], padding_mask=batch["is_pad"], hidden_states=hidden_states,
                    packing=batch["packing"], lm_rows=batch["lm_rows"])
     if not model.post_process:
         return output, None
-    loss, lm_loss, sop_loss = pretraining_loss(output, batch["labels"], batch["loss_mask"], batch["is_random"],
-                                               cross_entropy=model.lm_cross_entropy,
-                                               positions=batch["loss_positions"])
-    metrics = {"lm loss": lm_loss.detach(), "flops": batch["flops"], "tokens": batch["tokens"]}
+    loss, lm_loss, sop_loss, counts = pretraining_loss(output, batch["labels"], batch["loss_mask"],
+                                                       batch["is_random"], cross_entropy=model.lm_cross_entropy,
+                                                       positions=batch["loss_positions"], counts=True)
+    metrics = {"lm loss": lm_loss.detach(), **counts, "flops": batch["flops"], "tokens": batch["tokens"]}
     if sop_loss is not None:
         metrics["sop loss"] = sop_loss.detach()
     return loss, metrics
@@ -117,6 +118,8 @@ class StepResult:
     status: str = "ok"      # "ok", "overflow" (fp16) or "nan"
     flops: float = 0.0      # model FLOPs of this rank's micro-batches, real tokens only
     tokens: int = 0         # real (non-padding) tokens of this rank's micro-batches
+    counts: dict = field(default_factory=dict)  # accuracy counts (training_log.COUNTS) -> 0-d int64 device
+                                                # tensor, summed over this rank's micro-batches
 
 
 def fetch_batches(data_iterator, cfg, state):
@@ -147,6 +150,7 @@ def train_step(model, optimizer, scheduler, data_iterator, cfg, state, pipeline=
                                               scale_loss=optimizer.scale_loss)
     losses = {name: sum(m[name] for _, m in results) / len(results)
               for name in ("lm loss", "sop loss") if results and name in results[0][1]}
+    counts = {name: sum(m[name] for _, m in results) for name in COUNTS if results and name in results[0][1]}
     nonfinite = sum((~torch.isfinite(loss)).float() for loss, _ in results) if results else None
     if isinstance(data_iterator, PrefetchingBatches):  # the next step's batches, while the GPU runs this one
         data_iterator.prefetch(functools.partial(fetch_batches, data_iterator, cfg, state))
@@ -155,13 +159,14 @@ def train_step(model, optimizer, scheduler, data_iterator, cfg, state, pipeline=
         scheduler.step(increment=cfg.global_batch_size)
     flops, tokens = sum(b["flops"] for b in batches), sum(b["tokens"] for b in batches)
     return StepResult(losses, outcome.grad_norm if outcome.update_successful else None,
-                      not outcome.update_successful, outcome.status, flops, tokens)
+                      not outcome.update_successful, outcome.status, flops, tokens, counts)
 
 
 @torch.no_grad()
 def evaluate(model, data_iterator, cfg, state, eval_iters, pipeline=None) -> dict:
-    """Mean losses over eval_iters global batches (dropout off), averaged over data-parallel ranks (on the
-    last pipeline stage; {} elsewhere). The iterator is not rewound."""
+    """Mean losses over eval_iters global batches (dropout off), averaged over data-parallel ranks, and the
+    accuracies (lm acc, sop acc: right predictions / predictions, counted over all of those batches and
+    ranks), on the last pipeline stage; {} elsewhere. The iterator is not rewound."""
     state = as_state(state)
     chunks = as_chunks(model)
     for chunk in chunks:
@@ -178,7 +183,9 @@ def evaluate(model, data_iterator, cfg, state, eval_iters, pipeline=None) -> dic
         chunk.train()
     sums = {name: sum(m[name] for _, m in results) / len(results)
             for name in ("lm loss", "sop loss") if results and name in results[0][1]}
-    return reduce_over_data_parallel(sums, state, average=sums.keys())
+    counts = {name: sum(m[name] for _, m in results) for name in COUNTS if results and name in results[0][1]}
+    totals = reduce_over_data_parallel({**sums, **counts}, state, average=sums.keys())  # one all-reduce
+    return {**{name: totals[name] for name in sums}, **accuracies(totals)}
 
 
 # ---------------------------------------------------------------- the loop

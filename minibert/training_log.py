@@ -5,8 +5,17 @@ iterations; the grad norm is the last update's, before clipping):
 
     iteration       10/     200 | consumed samples:          160 | elapsed time per iteration (ms): 812.3 |
     learning rate: 1.000000E-04 | global batch size:    16 | lm loss: 1.023456E+01 |
-    sop loss: 6.931472E-01 | loss scale: 4294967296.0 | grad norm: 3.456 |
-    number of skipped iterations:   0 | number of nan iterations:   0 |          (one line, wrapped here)
+    sop loss: 6.931472E-01 | lm acc: 0.0312 | sop acc: 0.5000 | loss scale: 4294967296.0 |
+    grad norm: 3.456 | number of skipped iterations:   0 | number of nan iterations:   0 |
+                                                                                   (one line, wrapped here)
+
+The accuracies are not Megatron's (it has no such field; MLPerf's BERT benchmark uses `lm acc` as its
+quality target, 0.720): lm acc = the masked positions whose label is the argmax of the logits / all masked
+positions, both counted over every micro-batch, data-parallel rank and non-skipped iteration of the
+interval (a ratio of sums, not a mean of per-step ratios as the losses are); sop acc the same over the
+samples' sentence-order predictions. The counts are int64 device scalars that ride the one all-reduce and
+the one host sync the loss sums already take at the log line; evaluation lines carry them too
+(`lm acc value: ...`).
 
 On a GPU, after the elapsed time: `throughput per GPU (TFLOP/s/GPU): x | tokens per second: n | MFU: p% |`.
 As in Megatron, the learning rate shown is the one set after the step (the next update's).
@@ -45,6 +54,18 @@ def model_flops(cfg, lengths, head_positions) -> float:
             + 6 * (h * vocab + h * h) * head_positions)
 
 
+# accuracy -> (right predictions, predictions): the counts pretraining_loss(counts=True) returns
+ACCURACIES = {"lm acc": ("lm correct", "lm masked"), "sop acc": ("sop correct", "sop samples")}
+COUNTS = tuple(name for pair in ACCURACIES.values() for name in pair)
+
+
+def accuracies(counts: dict) -> dict:
+    """{"lm acc": lm correct / lm masked, "sop acc": ...} from summed counts (numbers); an accuracy whose
+    counts are absent is left out, one of nothing is 0.0 (as an lm loss of nothing is 0)."""
+    return {name: counts[right] / max(counts[total], 1) for name, (right, total) in ACCURACIES.items()
+            if total in counts}
+
+
 def reduce_over_data_parallel(values: dict, state, average=()) -> dict:
     """{name: number or 0-d tensor} summed over this rank's data-parallel group (one all-reduce); the names
     in `average` are divided by DP. Called by every rank of the group, with the same names."""
@@ -61,14 +82,15 @@ def reduce_over_data_parallel(values: dict, state, average=()) -> dict:
 
 
 class IntervalStats:
-    """Sums over the iterations since the last log line; device tensors until the line is printed."""
+    """Sums over the iterations since the last log line; device tensors until the line is printed. The
+    losses and the accuracy counts are summed over the non-skipped iterations only."""
 
     def __init__(self, device):
         self.device = device
         self.reset()
 
     def reset(self):
-        self.loss_sums, self.advanced, self.skipped, self.nan = {}, 0, 0, 0
+        self.loss_sums, self.count_sums, self.advanced, self.skipped, self.nan = {}, {}, 0, 0, 0
         self.grad_norm = None
         self.flops, self.tokens = 0.0, 0
         self.excluded = 0.0  # seconds spent in evaluation / checkpoints inside this interval
@@ -82,6 +104,8 @@ class IntervalStats:
             self.advanced += 1
             for name, value in step.losses.items():
                 self.loss_sums[name] = self.loss_sums.get(name, 0.0) + value
+            for name, value in step.counts.items():
+                self.count_sums[name] = self.count_sums.get(name, 0) + value
             self.grad_norm = step.grad_norm
         self.flops += step.flops
         self.tokens += step.tokens
@@ -147,12 +171,15 @@ class TrainingLogger:
         if not state.is_last_stage:
             stats.reset()
             return
-        totals = reduce_over_data_parallel({**stats.loss_sums, "flops": stats.flops, "tokens": stats.tokens},
-                                           state, average=stats.loss_sums.keys())
+        # one all-reduce and one host sync for everything the line reports
+        totals = reduce_over_data_parallel({**stats.loss_sums, **stats.count_sums, "flops": stats.flops,
+                                            "tokens": stats.tokens}, state, average=stats.loss_sums.keys())
         flops, tokens = totals.pop("flops"), totals.pop("tokens")
         tflops = flops / iterations / seconds / 1e12 / state.world_size if iterations else 0.0  # per GPU
         # means over the interval's non-skipped iterations; when every step was skipped (fp16 finding its
-        # loss scale) there is no mean, and the loss fields are left out of the line, as Megatron does
+        # loss scale) there is no mean, and the loss fields are left out of the line, as Megatron does;
+        # so are the accuracies, which are ratios of the summed counts
+        accuracy = accuracies({name: totals.pop(name) for name in stats.count_sums})
         losses = {name: total / stats.advanced for name, total in totals.items()}
         record = {"kind": "train", "iteration": iteration, "train_iters": cfg.train_iters,
                   "consumed_samples": consumed_samples, "elapsed_ms": seconds * 1000.0,
@@ -161,8 +188,9 @@ class TrainingLogger:
                   "global_batch_size": cfg.global_batch_size, "loss_scale": optimizer.loss_scale,
                   "grad_norm": float(stats.grad_norm) if stats.grad_norm is not None else float("nan"),
                   "skipped_iterations": stats.skipped, "nan_iterations": stats.nan,
-                  # records always carry the loss keys (nan when the interval has no mean) for callbacks
-                  "lm loss": float("nan"), **({"sop loss": float("nan")} if cfg.binary_head else {}), **losses}
+                  # records always carry the loss and accuracy keys (nan when the interval has no mean)
+                  "lm loss": float("nan"), **({"sop loss": float("nan")} if cfg.binary_head else {}), **losses,
+                  "lm acc": float("nan"), **({"sop acc": float("nan")} if cfg.binary_head else {}), **accuracy}
         parts = [f"iteration {iteration:8d}/{cfg.train_iters:8d}",
                  f"consumed samples: {consumed_samples:12d}",
                  f"elapsed time per iteration (ms): {record['elapsed_ms']:.1f}"]
@@ -173,13 +201,14 @@ class TrainingLogger:
         parts += [f"learning rate: {record['learning_rate']:.6E}",
                   f"global batch size: {cfg.global_batch_size:5d}"]
         parts += [f"{name}: {value:.6E}" for name, value in losses.items()]
+        parts += [f"{name}: {value:.4f}" for name, value in accuracy.items()]
         parts += [f"loss scale: {record['loss_scale']:.1f}"]
         if stats.grad_norm is not None:
             parts += [f"grad norm: {record['grad_norm']:.3f}"]
         parts += [f"number of skipped iterations: {stats.skipped:3d}",
                   f"number of nan iterations: {stats.nan:3d}"]
-        scalars = {**losses, "learning-rate": record["learning_rate"], "loss-scale": record["loss_scale"],
-                   "throughput": tflops}
+        scalars = {**losses, **accuracy, "learning-rate": record["learning_rate"],
+                   "loss-scale": record["loss_scale"], "throughput": tflops}
         if stats.grad_norm is not None:
             scalars["grad-norm"] = record["grad_norm"]
         self._emit(record, " | ".join(parts) + " |", scalars)
@@ -198,18 +227,23 @@ class TrainingLogger:
               f"max reserved: {torch.cuda.max_memory_reserved(self.device) / mb:.1f}", flush=True)
 
     def log_evaluation(self, iteration, split_name, losses):
-        """`validation loss at iteration 50 | lm loss value: x | lm loss PPL: y | ...`; split_name None for
-        the evaluations during training, "validation set" / "test set" for those at the end."""
+        """`validation loss at iteration 50 | lm loss value: x | lm loss PPL: y | ... | lm acc value: z |`;
+        losses: evaluate()'s means and accuracies. split_name None for the evaluations during training,
+        "validation set" / "test set" for those at the end. TensorBoard: `lm loss validation`, `lm loss
+        validation ppl`, `lm acc validation` (and `test` for the test set)."""
         prefix = f"iteration {iteration}" + (f" on {split_name}" if split_name else "")
         kind = "test" if split_name == "test set" else "validation"
         parts = [f"validation loss at {prefix}"]
         record = {"kind": kind, "iteration": iteration}
         scalars = {}
         for name, value in losses.items():
+            record[name], scalars[f"{name} {kind}"] = value, value
+            if name in ACCURACIES:  # a share, not a loss: no perplexity
+                parts += [f"{name} value: {value:.4f}"]
+                continue
             ppl = math.exp(min(20.0, value))  # Megatron caps the exponent so the PPL stays printable
             parts += [f"{name} value: {value:.6E}", f"{name} PPL: {ppl:.6E}"]
-            record[name], record[f"{name} PPL"] = value, ppl
-            scalars[f"{name} {kind}"], scalars[f"{name} {kind} ppl"] = value, ppl
+            record[f"{name} PPL"], scalars[f"{name} {kind} ppl"] = ppl, ppl
         line = " | ".join(parts) + " |"
         dashes = "-" * (len(line) + 1)
         self._emit(record, f"{dashes}\n{line}\n{dashes}", scalars)

@@ -158,8 +158,10 @@ def usage_error(args, world_size) -> str:
     raise AssertionError(f"no error for {args} on {world_size} processes")
 
 
-def assert_close_runs(reference, other, tags=("lm loss", "sop loss", "grad-norm"), rel=1e-5):
-    """Every logged value of `tags` equal within `rel` (relative); returns the worst relative difference."""
+def assert_close_runs(reference, other, tags=("lm loss", "sop loss", "lm acc", "sop acc", "grad-norm"), rel=1e-5):
+    """Every logged value of `tags` equal within `rel` (relative); returns the worst relative difference.
+    The accuracies are counts of argmax hits: equal layouts count the same hits, so they match exactly
+    (unless a layout's rounding flips a near-tie of two logits)."""
     worst = 0.0
     for tag in tags:
         ref, got = reference[tag], other[tag]

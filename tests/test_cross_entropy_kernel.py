@@ -77,14 +77,23 @@ def test_matches_float64_oracle(dtype, vocab):
 
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=str)
 def test_matches_plain_twin_lm_cross_entropy(dtype):
-    """The model's eager loss, forward and backward, up to fp32 summation order (and one bf16 rounding)."""
+    """The model's eager loss, forward and backward, up to fp32 summation order (and one bf16 rounding),
+    and the same correct flags (the label's logit is the row's max; what lm acc counts), bit for bit:
+    right rows, a tie for the max (right), wrong rows, ignored rows (never right)."""
     g = torch.Generator().manual_seed(0)
     logits = (torch.randn(8, 1000, generator=g) * 4).to(dtype)
     labels = make_labels(8, 1000, g)
+    labels[:3] = logits[:3].float().argmax(dim=1)                   # predicted right
+    logits[3, 10] = logits[3, 600] = logits[3].max()                # a tie for the max...
+    labels[3] = 10                                                  # ...at the label: right
+    labels[4], labels[7] = (int(logits[4].float().argmax()) + 1) % 1000, -1  # a wrong row, an ignored row
     grad_loss = torch.rand(8, generator=g) + 0.5
     ours = logits.clone().requires_grad_()
     plain = logits.clone().requires_grad_()
-    loss_ours, loss_plain = fused_cross_entropy(ours, labels), lm_cross_entropy(plain, labels)
+    (loss_ours, right_ours), (loss_plain, right_plain) = (fused_cross_entropy(ours, labels, with_correct=True),
+                                                          lm_cross_entropy(plain, labels, with_correct=True))
+    assert right_ours.dtype == torch.bool and torch.equal(right_ours, right_plain)
+    assert right_ours[:4].all() and not right_ours[4] and not right_ours[7]
     torch.testing.assert_close(loss_ours, loss_plain, rtol=1e-6, atol=1e-5)
     loss_ours.backward(grad_loss)
     loss_plain.backward(grad_loss)
@@ -274,9 +283,10 @@ def test_kernel_alone_never_reads_out_of_range_and_gives_nan():
     """What CUDA does (no host check there): the bad row's loss and gradient are NaN, the others exact."""
     logits = torch.randn(3, 100, requires_grad=True)
     labels = torch.tensor([4, 100, -1])
-    loss = _FusedCrossEntropy.apply(logits, labels, -1, 100)
+    loss, correct = _FusedCrossEntropy.apply(logits, labels, -1, 100)
     loss.sum().backward()
     assert torch.isnan(loss[1]) and torch.isnan(logits.grad[1]).all() and loss[2] == 0
+    assert not correct[1] and not correct[2]                         # a bad label is never a right prediction
     torch.testing.assert_close(loss[0].double(), oracle(logits[:1].detach(), labels[:1])[0], **LOSS_TOL)
     assert torch.isfinite(logits.grad[[0, 2]]).all()
 

@@ -172,14 +172,15 @@ def test_what_the_flag_refuses_names_the_fix(overrides, world, named):
 
 def test_what_a_graph_records_is_the_eager_schedules_micro_batch(tiny_data):
     """cuda_graphs.forward_backward, the function a graph records, run eagerly on the CPU: over two
-    micro-batches its main grads are the eager schedule's, bit for bit; the warm-up's form
-    (accumulate=False) leaves them untouched and no 16-bit grad behind. shape_key tells the bucketed
-    micro-batches' shapes apart."""
+    micro-batches its main grads are the eager schedule's, bit for bit, and what a replay hands back
+    (replayed_metrics of its two packed outputs) is the eager forward_step's loss and metrics: the losses
+    and the accuracy counts; the warm-up's form (accumulate=False) leaves them untouched and no 16-bit
+    grad behind. shape_key tells the bucketed micro-batches' shapes apart."""
     import dataclasses
     import functools
     from minibert.batches import build_data_iterator, build_datasets, get_batch
     from minibert.build import build_model_and_optimizer
-    from minibert.cuda_graphs import forward_backward, shape_key
+    from minibert.cuda_graphs import forward_backward, replayed_metrics, shape_key
     from minibert.parallel.pipeline import forward_backward_no_pipelining
     from minibert.train import forward_step
     cfg = tiny_trainer_config(tiny_data)
@@ -195,19 +196,24 @@ def test_what_a_graph_records_is_the_eager_schedules_micro_batch(tiny_data):
         model, optimizer, _ = build_model_and_optimizer(cfg, device)
         optimizer.zero_grad()
         if how == "eager":
-            losses = [loss for loss, _ in forward_backward_no_pipelining(
-                step, batches, [model], grads=optimizer.grads, scale_loss=optimizer.scale_loss)]
+            results = forward_backward_no_pipelining(step, batches, [model], grads=optimizer.grads,
+                                                     scale_loss=optimizer.scale_loss)
         else:
             before = {n: p.main_grad.clone() for n, p in model.named_parameters()}
             forward_backward(step, model, optimizer, 2, batches[0], accumulate=False)  # the warm-up
             assert all(torch.equal(p.main_grad, before[n]) and p.grad is None for n, p in model.named_parameters())
             recorded = [forward_backward(step, model, optimizer, 2, batch) for batch in batches]
-            losses = [values[0] for values, _ in recorded]
-            assert all(has_sop for _, has_sop in recorded)
-        grads[how] = (losses, {n: p.main_grad.clone() for n, p in model.named_parameters()})
-    assert [float(x) for x in grads["eager"][0]] == [float(x) for x in grads["recorded"][0]]
-    for name, grad in grads["eager"][1].items():
-        assert torch.equal(grads["recorded"][1][name], grad), name
+            assert all(has_sop and counts.dtype == torch.int64 and counts.shape == (4,)
+                       for _, counts, has_sop in recorded)
+            results = [replayed_metrics(*outputs, batch) for outputs, batch in zip(recorded, batches)]
+        metrics = [{k: float(v) for k, v in m.items()} for _, m in results]
+        grads[how] = ([float(loss) for loss, _ in results], metrics,
+                      {n: p.main_grad.clone() for n, p in model.named_parameters()})
+    assert grads["eager"][0] == grads["recorded"][0]
+    assert grads["eager"][1] == grads["recorded"][1]  # lm loss, sop loss, the accuracy counts, flops, tokens
+    assert {"lm loss", "sop loss", "lm correct", "lm masked", "sop correct", "sop samples"} <= set(grads["eager"][1][0])
+    for name, grad in grads["eager"][2].items():
+        assert torch.equal(grads["recorded"][2][name], grad), name
     keys = [shape_key(batch, 2) for batch in batches]
     rows = [len(batch["packing"].index) for batch in batches]
     assert (keys[0] == keys[1]) == (rows[0] == rows[1]) and all(r % 64 == 0 for r in rows)

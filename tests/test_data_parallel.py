@@ -1,6 +1,6 @@
 """Data parallelism through `torchrun ... minibert/train.py`, as a user runs it (gloo, one thread per
 process): DP = 2 and 4, with and without ZeRO-1 and overlap (DP 2 with ZeRO-1 also with the gradient-
-accumulation fusion), on one node and on two "nodes" of this machine, give the single-process run's losses and grad norms (relative 1e-5, read from TensorBoard);
+accumulation fusion), on one node and on two "nodes" of this machine, give the single-process run's losses, accuracies and grad norms (relative 1e-5, read from TensorBoard);
 a stopped and resumed DP=2 run logs the unbroken run's lines; a ZeRO-1 checkpoint resumes at another
 data-parallel size; a bad layout exits 2 on every rank before any collective."""
 import os
@@ -90,8 +90,8 @@ def test_stopped_and_resumed_dp2_logs_the_unbroken_run(tiny_data, tmp_path_facto
     assert resharded.returncode == 0, resharded.stderr[-3000:]
     resumed = launch.tensorboard_scalars(tmp_path / "tb3")
     whole = RUNS["dp2-zero1"][1]
-    launch.assert_close_runs({tag: whole[tag][4:] for tag in ("lm loss", "grad-norm")}, resumed,
-                             tags=("lm loss", "grad-norm"))
+    launch.assert_close_runs({tag: whole[tag][4:] for tag in ("lm loss", "lm acc", "grad-norm")}, resumed,
+                             tags=("lm loss", "lm acc", "grad-norm"))
 
 
 def test_bucketed_reduction_equals_a_plain_all_reduce_per_parameter():

@@ -162,6 +162,52 @@ def test_loss_math_is_fp32_for_a_bf16_model():
     assert torch.isfinite(loss)
 
 
+def test_accuracy_counts_the_masked_positions_whose_label_is_the_argmax():
+    """pretraining_loss(counts=True) against accuracies counted by hand: a tie for the maximum counts as
+    right, unmasked positions never count, and the padded vocab columns (here 2, holding the largest
+    logits) never win: the plain loss sees only the real vocab, the vocab-parallel one masks them."""
+    from functools import partial
+    from minibert.model import BertOutput, lm_cross_entropy
+    from minibert.parallel.layers import vocab_parallel_cross_entropy
+    padded = torch.tensor([[[0.0, 3.0, 1.0, 9.0, 9.0], [2.0, 2.0, 0.0, 9.0, 9.0], [1.0, 0.0, 0.0, 9.0, 9.0]],
+                           [[0.0, 1.0, 5.0, 9.0, 9.0], [4.0, 0.0, 0.0, 9.0, 9.0], [0.0, 0.0, 0.0, 9.0, 9.0]]])
+    labels = torch.tensor([[1, 1, 2], [0, 0, -1]])     # right, right (a tie), wrong | wrong, right, not masked
+    loss_mask = (labels != -1).long()
+    binary_logits = torch.tensor([[0.5, 0.5], [1.0, -1.0], [0.0, 2.0]])
+    is_random = torch.tensor([1, 1, 1])                 # right (a tie), wrong, right
+    losses = {"plain": partial(lm_cross_entropy, fused=False),
+              "vocab-parallel": partial(vocab_parallel_cross_entropy, group=None, vocab_start=0, vocab_size=3)}
+    for name, cross_entropy in losses.items():
+        logits = padded if name == "vocab-parallel" else padded[..., :3]   # the plain path gets the real vocab
+        out = BertOutput(logits, binary_logits, None)
+        loss, lm, sop, counts = pretraining_loss(out, labels, loss_mask, is_random, cross_entropy=cross_entropy,
+                                                 counts=True)
+        assert {k: int(v) for k, v in counts.items()} == {"lm correct": 3, "lm masked": 5, "sop correct": 2,
+                                                           "sop samples": 3}, name
+        assert all(v.dtype == torch.int64 and v.shape == () for v in counts.values())
+        plain = pretraining_loss(out, labels, loss_mask, is_random, cross_entropy=cross_entropy)
+        assert all(torch.equal(a, b) for a, b in zip(plain, (loss, lm, sop)))  # counting changes no loss
+    # in a model: the same counts dense and sparse, and none without the binary head for SOP
+    batch = make_batch()
+    dense, sparse = tiny_model(), tiny_model(sparse_mlm=True)
+    counted = []
+    for model, is_sparse in ((dense, False), (sparse, True)):
+        out = model(batch["tokens"], batch["types"], batch["padding_mask"],
+                    lm_mask=batch["loss_mask"].bool() if is_sparse else None)
+        counts = pretraining_loss(out, batch["labels"], batch["loss_mask"], batch["is_random"], sparse=is_sparse,
+                                  counts=True)[3]
+        selected = batch["loss_mask"].bool()
+        logits = out.lm_logits if is_sparse else out.lm_logits[selected]
+        assert int(counts["lm correct"]) == int((logits.argmax(-1) == batch["labels"][selected]).sum())
+        assert int(counts["lm masked"]) == int(selected.sum())
+        counted.append({k: int(v) for k, v in counts.items()})
+    assert counted[0] == counted[1]
+    model = tiny_model(bert_no_binary_head=True)
+    out = model(batch["tokens"], batch["types"], batch["padding_mask"])
+    counts = pretraining_loss(out, batch["labels"], batch["loss_mask"], batch["is_random"], counts=True)[3]
+    assert set(counts) == {"lm correct", "lm masked"}
+
+
 def test_sparse_mlm_gives_the_dense_loss_and_gradients():
     batch = make_batch()
     dense, sparse = tiny_model(), tiny_model(sparse_mlm=True)

@@ -1,7 +1,7 @@
 """Pipeline parallelism through `torchrun minibert/train.py` on CPU (gloo, fp32, dropout off, 8 iterations):
 PP 2 and PP 4 with 1F1B and AFAB, interleaved PP 2 with 2 virtual stages (and --gradient-accumulation-
 fusion), TP 2 x PP 2 (and --no-residual-layernorm-fusion; the others chain the LayerNorms), DP 2 x PP 2 and
-TP 2 x PP 2 x DP 2 (8 processes) give the single-process losses and grad norms (relative 1e-5); TP 2 x PP 2
+TP 2 x PP 2 x DP 2 (8 processes) give the single-process losses, accuracies and grad norms (relative 1e-5); TP 2 x PP 2
 with dropout, stopped and resumed, logs the unbroken run's lines (another layout is refused); checkpoints are mp_rank_TT_PPP with
 full-model names; --pipeline-trace prints each rank's sends and receives; bad splits are refused before any collective (in-process; tests/test_data_parallel.py shows
 every rank's line through torchrun)."""

@@ -84,7 +84,7 @@ def compare_to_truth(directory, truth_dir) -> float:
     return worst
 
 
-def later_than(scalars, iteration, tags=("lm loss", "sop loss", "grad-norm")):
+def later_than(scalars, iteration, tags=("lm loss", "sop loss", "lm acc", "sop acc", "grad-norm")):
     return {tag: [(s, v) for s, v in scalars[tag] if s > iteration] for tag in tags}
 
 

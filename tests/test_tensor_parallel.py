@@ -2,7 +2,7 @@
 and 4 (tests/distributed/check_tp_layers.py), the layout-invariant init, the collectives per layer, and the
 whole model through `torchrun minibert/train.py`: TP 2, TP 4, TP 2 with sequence parallelism (and
 --no-residual-layernorm-fusion: the others chain the LayerNorms, the default), TP 2 x DP 2 (with --gradient-accumulation-fusion) give the single-process
-losses and grad norms (relative 1e-5); bad layouts are refused before any collective
+losses, accuracies and grad norms (relative 1e-5); bad layouts are refused before any collective
 (checked in-process; tests/test_data_parallel.py shows every rank's line through torchrun)."""
 import os
 import re
@@ -41,7 +41,8 @@ def test_layers_init_and_collectives(tp):
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     out = result.stdout
     for check in ("column/row-parallel linear ok", "gather_output and input_is_parallel=False ok",
-                  "vocab-parallel embedding and cross entropy ok", "layout-invariant init ok"):
+                  "vocab-parallel embedding and cross entropy ok", "vocab-parallel accuracy ok",
+                  "layout-invariant init ok"):
         assert out.count(check) == tp, check
     # Megatron's communication per transformer layer: 2 all-reduces forward and 2 backward; with sequence
     # parallelism 2 all-gathers + 2 reduce-scatters forward, and in the backward 4 all-gathers (2 of them

@@ -21,14 +21,16 @@ from minibert.validate import validate
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN_PY = os.path.join(ROOT, "minibert", "train.py")
 NUM = r"[-+]?\d\.\d{6}E[-+]\d{2}"
+ACC = r"[01]\.\d{4}"  # an accuracy: a share in [0, 1], 4 decimals
 LOG_LINE = re.compile(
     r"^iteration +(\d+)/ +(\d+) \| consumed samples: +(\d+) \| elapsed time per iteration \(ms\): \d+\.\d \| "
     rf"learning rate: ({NUM}) \| global batch size: +(\d+) \| lm loss: ({NUM}) \| sop loss: ({NUM}) \| "
+    rf"lm acc: ({ACC}) \| sop acc: ({ACC}) \| "
     r"loss scale: (\d+\.\d) \| grad norm: (\d+\.\d{3}) \| number of skipped iterations: +(\d+) \| "
     r"number of nan iterations: +(\d+) \|$")
 VALID_LINE = re.compile(rf"^validation loss at iteration (\d+)( on validation set| on test set)? \| "
                         rf"lm loss value: ({NUM}) \| lm loss PPL: ({NUM}) \| sop loss value: ({NUM}) \| "
-                        rf"sop loss PPL: ({NUM}) \|$")
+                        rf"sop loss PPL: ({NUM}) \| lm acc value: ({ACC}) \| sop acc value: ({ACC}) \|$")
 
 
 @pytest.fixture(scope="module")
@@ -77,14 +79,19 @@ def test_log_format_loss_decrease_tensorboard_and_checkpoints(data):
     assert len(lines) == 8 and all(lines), [line for line in out.splitlines() if line.startswith("iteration ")]
     assert [int(m[1]) for m in lines] == list(range(5, 41, 5))
     assert [int(m[3]) for m in lines] == [8 * i for i in range(5, 41, 5)]
-    assert all(m[2] == "40" and m[5] == "8" and m[8] == "1.0" for m in lines)
+    assert all(m[2] == "40" and m[5] == "8" and m[10] == "1.0" for m in lines)
     lm = [float(m[6]) for m in lines]
     assert lm[0] > 7.0, lm  # about ln(1505) = 7.3 at init: uniform over the vocab
     assert lm[-1] < lm[0] - 0.5 and sum(lm[4:]) < sum(lm[:4]) - 2.0, lm  # measured: 7.29 -> 6.31
+    lm_acc, sop_acc = [float(m[8]) for m in lines], [float(m[9]) for m in lines]
+    assert all(0.0 <= a <= 1.0 for a in lm_acc + sop_acc)
+    # it learns the frequent tokens: measured 0.0065 in the first interval, 0.123 -> 0.231 summed over halves
+    assert lm_acc[0] < 0.01 and sum(lm_acc[4:]) > sum(lm_acc[:4]) + 0.05, lm_acc
     assert float(lines[-1][4]) == 0.0  # linear decay to --min-lr 0 at --lr-decay-iters = train-iters
     valid = [VALID_LINE.match(line) for line in out.splitlines() if line.startswith("validation loss")]
     assert all(valid) and [(m[1], m[2]) for m in valid] == [
         ("20", None), ("40", None), ("40", " on validation set"), ("40", " on test set")]
+    assert all(0.0 <= float(m[7]) <= 1.0 and 0.0 <= float(m[8]) <= 1.0 for m in valid)
     # checkpoints: Megatron's layout at the save interval, tracker at the last
     assert open(save / "latest_checkpointed_iteration.txt").read() == "40"
     for it in (20, 40):
@@ -94,9 +101,13 @@ def test_log_format_loss_decrease_tensorboard_and_checkpoints(data):
     events.Reload()
     tags = set(events.Tags()["scalars"])
     assert {"lm loss", "sop loss", "learning-rate", "loss-scale", "grad-norm", "throughput",
-            "lm loss validation", "lm loss validation ppl"} <= tags
+            "lm loss validation", "lm loss validation ppl", "lm acc", "sop acc", "lm acc validation",
+            "sop acc validation", "lm acc test", "sop acc test"} <= tags
+    assert not {"lm acc validation ppl", "lm acc test ppl"} & tags  # a share has no perplexity
     assert [e.step for e in events.Scalars("lm loss")] == list(range(5, 41, 5))
     assert [e.value for e in events.Scalars("lm loss")] == pytest.approx(lm, rel=1e-5)
+    assert [e.value for e in events.Scalars("lm acc")] == pytest.approx(lm_acc, abs=5e-5)  # printed: 4 decimals
+    assert [e.value for e in events.Scalars("lm acc test")] == pytest.approx([float(valid[-1][7])], abs=5e-5)
 
 
 def test_exact_resume(data):
@@ -195,7 +206,7 @@ def test_fp16_on_cpu_warns_once_and_runs_fp32(data, tmp_path):
     assert asked.returncode == 0, asked.stderr
     warnings = [line for line in asked.stderr.splitlines() if line.startswith("warning:")]
     assert len([w for w in warnings if "nccl" in w]) == 1 and len([w for w in warnings if "--num-workers 2" in w]) == 1
-    assert all(m and m[8] == "1.0" for m in train_lines(result.stdout))
+    assert all(m and m[10] == "1.0" for m in train_lines(result.stdout))
     saved = checkpoint.load_checkpoint(str(data["dir"] / "fp16"))
     assert saved["args"]["fp16"] is False
     assert all(v.dtype == torch.float32 for v in saved["model"].values() if v.is_floating_point())
@@ -218,6 +229,7 @@ def test_bf16_on_cpu_through_the_python_api(data, tmp_path, capsys):
     assert "MixedPrecisionOptimizer.step" in names and {"aten::mm", "aten::addmm"} & names, sorted(names)[:20]
     assert [r["kind"] for r in records] == ["train", "validation", "train", "validation", "validation", "test"]
     assert all(torch.isfinite(torch.tensor(r["lm loss"])) for r in records)
+    assert all(0.0 <= r["lm acc"] <= 1.0 and 0.0 <= r["sop acc"] <= 1.0 for r in records)  # bf16 logits too
     assert result.iteration == 4 and result.consumed_train_samples == 32
     assert all(p.dtype == torch.bfloat16 for p in result.model.parameters())
     assert all(m.dtype == torch.float32 for m in result.optimizer.master_params)
@@ -313,8 +325,8 @@ def test_fp16_overflow_skips_the_update_and_the_lr_step(data, capsys):
     logger.log_train(1, 8, optimizer, only_skipped)
     line = capsys.readouterr().out.strip()
     assert "number of skipped iterations:   1" in line
-    assert "lm loss" not in line and "grad norm" not in line and "nan" not in line.lower().replace(
-        "number of nan iterations", "")
+    assert "lm loss" not in line and "lm acc" not in line and "grad norm" not in line and "nan" not in \
+        line.lower().replace("number of nan iterations", "")
     optimizer.loss_scaler.scale = 128.0  # small enough for these gradients
     step = train_step(model, optimizer, scheduler, iterator, cfg, device)
     assert not step.skipped and scheduler.num_steps == cfg.global_batch_size
@@ -325,6 +337,8 @@ def test_fp16_overflow_skips_the_update_and_the_lr_step(data, capsys):
     assert LOG_LINE.match(line), line
     assert "number of skipped iterations:   1" in line and "loss scale: 128.0" in line
     assert f"lm loss: {float(step.losses['lm loss']):.6E}" in line  # the mean leaves the skipped step out
+    right, masked = int(step.counts["lm correct"]), int(step.counts["lm masked"])  # and so do the counts
+    assert masked > 0 and f"lm acc: {right / masked:.4f}" in line
 
 
 def test_help_lists_the_flags(capsys):

@@ -41,6 +41,10 @@ at the label's column: loss = (m - x_label) + log(s). The forward saves the logi
 copy), the labels and, per row, m and log(s) (fp32 [n] each); the backward recomputes
 softmax_j = exp((x_j - m) - log(s)) chunk by chunk: nothing of size [n, V] is ever stored.
 
+The accuracy comes for free. With m and x_label in hand, the prediction is right exactly when x_label == m
+(the label's logit is the row's largest; a tie counts as right). The forward writes that flag per row
+(bool [n], n bytes), which the trainer sums into the masked-LM accuracy: no second pass over the logits.
+
 Why two numbers and not lse = m + log(s): the sum rounds log(s) to a multiple of ulp(m). At |x| ~ 1e4
 that is 1e-3, at 1e38 (bf16 reaches 3.4e38) all of it: 10 tied maxima would each get softmax exp(0) = 1
 instead of 1/10. (x - m) - log(s) subtracts in the order eager log_softmax does, so no precision is lost.
@@ -99,10 +103,10 @@ def kernel_config(n_cols, direction):
 # 2. The kernels: one program per row
 # --------------------------------------------------------------------------------------------------
 @triton.jit
-def _cross_entropy_fwd_kernel(logits_ptr, labels_ptr, loss_ptr, max_ptr, log_sum_ptr, n_cols, row_stride,
-                              ignore_index, BLOCK_V: tl.constexpr):
+def _cross_entropy_fwd_kernel(logits_ptr, labels_ptr, loss_ptr, max_ptr, log_sum_ptr, correct_ptr, n_cols,
+                              row_stride, ignore_index, BLOCK_V: tl.constexpr):
     """loss[row] = (m - x[row, label]) + log(s), m = max_j x[row, j], s = sum_j exp(x[row, j] - m);
-    m and log(s) saved for the backward.
+    m and log(s) saved for the backward; correct[row] = (x[row, label] == m), False on ignored rows.
 
         x [n, V], row r starts at r * row_stride     (a column slice of a wider buffer: row_stride >= V)
         +---- chunk 0 ----+---- chunk 1 ----+-- chunk 2 --+....+   columns >= V load as -inf: exp -> 0
@@ -129,6 +133,7 @@ def _cross_entropy_fwd_kernel(logits_ptr, labels_ptr, loss_ptr, max_ptr, log_sum
     tl.store(max_ptr + row, tl.where(ignored, 0.0, running_max))
     tl.store(log_sum_ptr + row, tl.where(ignored, 0.0, log_sum))
     tl.store(loss_ptr + row, tl.where(ignored, 0.0, (running_max - target) + log_sum))
+    tl.store(correct_ptr + row, in_range & ~ignored & (target == running_max))  # the label is the argmax
 
 
 @triton.jit
@@ -197,15 +202,17 @@ def _check_inputs(logits, labels, ignore_index):
 
 
 def _forward(logits, labels, ignore_index, config=None):
-    """-> loss, row_max, log_sum: fp32 [n] each. config: a CrossEntropyConfig (the benchmark's sweep)."""
+    """-> loss, row_max, log_sum: fp32 [n] each, and correct: bool [n] (the label's logit is the row's
+    max). config: a CrossEntropyConfig (the benchmark's sweep)."""
     n, n_cols = logits.shape
     loss = torch.empty(n, dtype=torch.float32, device=logits.device)
     row_max, log_sum = torch.empty_like(loss), torch.empty_like(loss)
+    correct = torch.empty(n, dtype=torch.bool, device=logits.device)
     if n > 0:
         config = config or kernel_config(n_cols, "forward")
-        _cross_entropy_fwd_kernel[(n,)](logits, labels, loss, row_max, log_sum, n_cols, logits.stride(0),
+        _cross_entropy_fwd_kernel[(n,)](logits, labels, loss, row_max, log_sum, correct, n_cols, logits.stride(0),
                                         ignore_index, BLOCK_V=config.block_v, num_warps=config.num_warps)
-    return loss, row_max, log_sum
+    return loss, row_max, log_sum, correct
 
 
 def _backward(logits, labels, row_max, log_sum, grad_loss, ignore_index, config=None, grad_width=None):
@@ -241,39 +248,43 @@ def _padded_base(logits):
 
 
 class _FusedCrossEntropy(torch.autograd.Function):
-    """Forward saves the logits as given (a view, not a copy), the labels, and m, log(s): fp32 [n] each.
-    logits may be wider than the n_cols columns the loss covers (a padded base: _padded_base); its other
-    columns are never read and get gradient 0."""
+    """-> (loss, correct). Forward saves the logits as given (a view, not a copy), the labels, and m, log(s):
+    fp32 [n] each. logits may be wider than the n_cols columns the loss covers (a padded base: _padded_base);
+    its other columns are never read and get gradient 0. correct (bool [n]) has no gradient."""
 
     @staticmethod
     def forward(ctx, logits, labels, ignore_index, n_cols):
         real = logits[:, :n_cols]
-        loss, row_max, log_sum = _forward(real, labels, ignore_index)
+        loss, row_max, log_sum, correct = _forward(real, labels, ignore_index)
         ctx.save_for_backward(logits, labels, row_max, log_sum)
         ctx.ignore_index, ctx.n_cols = ignore_index, n_cols
-        return loss
+        ctx.mark_non_differentiable(correct)
+        return loss, correct
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_loss):
+    def backward(ctx, grad_loss, grad_correct):
         logits, labels, row_max, log_sum = ctx.saved_tensors
         grad = _backward(logits[:, :ctx.n_cols], labels, row_max, log_sum, grad_loss, ctx.ignore_index,
                          grad_width=logits.shape[1])
         return grad, None, None, None
 
 
-def fused_cross_entropy(logits, labels, ignore_index=-1):
+def fused_cross_entropy(logits, labels, ignore_index=-1, with_correct=False):
     """Per-row cross entropy in fp32, differentiable, one read of the logits each way.
 
     logits: [n, V] float32/float16/bfloat16, rows contiguous, any row stride (logits_full[:, :V] is read in
     place). labels: int64 [n]; rows with ignore_index give loss 0 and gradient 0. Returns fp32 [n], equal to
     F.cross_entropy(logits.float(), labels, ignore_index=ignore_index, reduction="none") up to summation
     order; the gradient w.r.t. logits is the fp32 gradient rounded once to logits.dtype.
+    with_correct=True: -> (loss, correct), correct bool [n]: the label's logit equals the row's max (ties
+    count as right; False on ignored rows), as minibert.model.label_is_max computes it.
     """
     _check_inputs(logits, labels, ignore_index)
     wide = _padded_base(logits)  # the padded logits the view was cut from: gradient without autograd's copy
-    return _FusedCrossEntropy.apply(logits if wide is None else wide, labels.contiguous(), int(ignore_index),
-                                    logits.shape[1])  # labels: n ints, cheap
+    loss, correct = _FusedCrossEntropy.apply(logits if wide is None else wide, labels.contiguous(),
+                                             int(ignore_index), logits.shape[1])  # labels: n ints, cheap
+    return (loss, correct) if with_correct else loss
 
 
 # --------------------------------------------------------------------------------------------------

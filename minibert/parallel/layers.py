@@ -162,7 +162,11 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         S = sum_v exp(z_v - m)        all-reduce SUM
         t = z_label - m               all-reduce SUM   (only the rank holding the label's column adds it)
         loss = log S - t
+        correct = (t == 0)            the label's logit is the global max: no collective of its own
 
+    (S and t travel in one all-reduce.) t is exactly 0 when z_label == m and nonzero otherwise (fp32
+    subtraction of two different numbers is never 0), and the sum over ranks adds only zeros to it, so
+    every rank gets the one-process answer of label_is_max. Returns (loss, correct); correct has no gradient.
     backward: dL/dz_v = softmax_v - [v == label], each rank for its own block, no communication."""
 
     @staticmethod
@@ -186,11 +190,13 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             total, target = stats[0], stats[1]
         valid = labels != -1
         loss = torch.where(valid, total.log() - target, torch.zeros_like(total))
+        correct = valid & (target == 0)  # z_label == m: the label is the argmax
         ctx.save_for_backward(exp.div_(total[:, None]), local, mine, valid)
-        return loss
+        ctx.mark_non_differentiable(correct)
+        return loss, correct
 
     @staticmethod
-    def backward(ctx, grad):  # grad [n]
+    def backward(ctx, grad, grad_correct):  # grad [n]
         softmax, local, mine, valid = ctx.saved_tensors
         g = softmax.clone()
         rows = torch.nonzero(mine, as_tuple=True)[0]
@@ -199,7 +205,10 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return g, None, None, None, None
 
 
-def vocab_parallel_cross_entropy(logits, labels, group, vocab_start, vocab_size):
+def vocab_parallel_cross_entropy(logits, labels, group, vocab_start, vocab_size, with_correct=False):
     """logits [n, V_padded / p] (this rank's vocab block), labels [n] (-1: ignored) -> loss [n] (fp32),
-    the same on every rank of the group; equal to F.cross_entropy over the real vocab."""
-    return _VocabParallelCrossEntropy.apply(logits, labels, group, vocab_start, vocab_size)
+    the same on every rank of the group; equal to F.cross_entropy over the real vocab. with_correct=True:
+    -> (loss, correct bool [n]), correct = the label's logit is the largest of the real vocab
+    (minibert.model.label_is_max on the whole logits), from the max the loss all-reduces anyway."""
+    loss, correct = _VocabParallelCrossEntropy.apply(logits, labels, group, vocab_start, vocab_size)
+    return (loss, correct) if with_correct else loss

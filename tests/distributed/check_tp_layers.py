@@ -1,7 +1,8 @@
 """Run by tests/test_tensor_parallel.py under torchrun (2 or 4 processes, gloo, fp32): every tensor-parallel
 layer against its plain twin on the full tensors (outputs and all gradients, norm-wise relative error
-<= 1e-6), the layout-invariant init (gathered shards = the one-process model), and the collectives one
-transformer layer makes, counted. Prints one line per check; a failed check raises."""
+<= 1e-6), the vocab-parallel accuracy flags (the one-process ones, with no collective of their own), the
+layout-invariant init (gathered shards = the one-process model), and the collectives one transformer layer
+makes, counted. Prints one line per check; a failed check raises."""
 import os
 import sys
 
@@ -12,7 +13,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from minibert.config import Config  # noqa: E402
-from minibert.model import BertModel  # noqa: E402
+from minibert.model import BertModel, label_is_max  # noqa: E402
 from minibert.parallel import data_parallel, mappings  # noqa: E402
 from minibert.parallel.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,  # noqa: E402
                                       vocab_parallel_cross_entropy)
@@ -110,6 +111,29 @@ close(loss, ref_loss.detach(), "vocab-parallel cross entropy")
 close(local.grad, block(ref_logits.grad, 1), "vocab-parallel cross entropy d(logits)")
 assert torch.all(local.grad[:, max(0, vocab - rank * (padded // tp)):] == 0), "padded columns got gradients"
 print(f"rank {rank}: vocab-parallel embedding and cross entropy ok", flush=True)
+
+# ---- the accuracy flags (lm acc): the one-process label_is_max on the real vocab, from the loss's own
+# all-reduces (t = z_label - max is exactly 0 when the label is the argmax): no collective of its own
+tied = logits_full.clone()
+right = labels.clone()
+tied[0, 0] = tied[0, vocab - 1] = tied[0, :vocab].max()   # a tie between rank 0's block and the last real one
+right[0] = 0
+tied[1, vocab:] = 1e4                                       # padded columns far above: never the prediction
+right[1] = int(tied[1, :vocab].argmax())
+right[2] = int(tied[2, :vocab].argmax())
+expected = label_is_max(tied[:, :vocab], right)
+assert expected[:3].all() and not expected[right == -1].any()
+real_all_reduce, calls = dist.all_reduce, []
+dist.all_reduce = lambda *args, **kwargs: (calls.append(1), real_all_reduce(*args, **kwargs))[1]
+loss_alone = vocab_parallel_cross_entropy(block(tied, 1), right, group, vocab_start=rank * (padded // tp),
+                                          vocab_size=vocab)
+alone = len(calls)
+loss_counted, correct = vocab_parallel_cross_entropy(block(tied, 1), right, group, vocab_start=rank * (padded // tp),
+                                                     vocab_size=vocab, with_correct=True)
+dist.all_reduce = real_all_reduce
+assert torch.equal(correct, expected), (correct, expected)
+assert torch.equal(loss_counted, loss_alone) and len(calls) == 2 * alone == 4, calls
+print(f"rank {rank}: vocab-parallel accuracy ok", flush=True)
 
 # ---- layout-invariant init: the gathered shards are the one-process model (real vocab rows)
 cfg = Config(num_layers=2, hidden_size=16, num_attention_heads=4, seq_length=8, vocab_size=300,

@@ -35,10 +35,13 @@ def test_matches_lm_cross_entropy_at_bert_shapes(dtype, vocab):
     from minibert.model import lm_cross_entropy
     full, view, labels = bert_logits(dtype, vocab)
     assert view.stride() == (PADDED_V, 1)
+    labels[3:100] = view[3:100].float().argmax(dim=1)                # right predictions (lm acc counts them)
     grad_loss = torch.rand(N, device="cuda") + 0.5                  # non-uniform, as a masked mean's weights
     ours, plain = view.detach().requires_grad_(), view.detach().requires_grad_()
-    loss_ours, loss_plain = fused_cross_entropy(ours, labels), lm_cross_entropy(plain, labels)
+    (loss_ours, right_ours), (loss_plain, right_plain) = (fused_cross_entropy(ours, labels, with_correct=True),
+                                                          lm_cross_entropy(plain, labels, with_correct=True))
     torch.testing.assert_close(loss_ours, loss_plain, rtol=1e-5, atol=1e-5)
+    assert torch.equal(right_ours, right_plain) and right_ours[3:100].all() and not right_ours[labels == -1].any()
     assert loss_ours.grad_fn.saved_tensors[0].data_ptr() == full.data_ptr()    # the view, not a copy
     loss_ours.backward(grad_loss)
     loss_plain.backward(grad_loss)

@@ -85,7 +85,8 @@ def trainer_pieces(tmp_path, **overrides):
     return cfg, train_ds
 
 
-def losses_of(cfg, train_ds, steps):
+def losses_of(cfg, train_ds, steps, counts=None):
+    """-> (each step's lm loss, the graphs captured); each step's accuracy counts appended to `counts`."""
     from minibert.batches import build_data_iterator
     from minibert.cuda_graphs import captured_graphs
     from minibert.train import build_model_and_optimizer, train_step
@@ -94,8 +95,12 @@ def losses_of(cfg, train_ds, steps):
     model, optimizer, scheduler = build_model_and_optimizer(cfg, dev)
     model.train()
     iterator = build_data_iterator(train_ds, 0, cfg, dev)
-    losses = [float(train_step(model, optimizer, scheduler, iterator, cfg, dev).losses["lm loss"])
-              for _ in range(steps)]
+    losses = []
+    for _ in range(steps):
+        step = train_step(model, optimizer, scheduler, iterator, cfg, dev)
+        losses.append(float(step.losses["lm loss"]))
+        if counts is not None:
+            counts.append({name: int(value) for name, value in step.counts.items()})
     return losses, captured_graphs(model)
 
 
@@ -109,14 +114,21 @@ def test_captured_steps_equal_eager_steps_without_dropout(tmp_path, precision, p
     4 row counts (micro batch x s / s)."""
     cfg, train_ds = trainer_pieces(tmp_path, hidden_dropout=0.0, attention_dropout=0.0, bf16=precision == "bf16",
                                    pack_tokens=packed)
-    eager, graphs = losses_of(cfg, train_ds, 6)
+    eager_counts, captured_counts = [], []
+    eager, graphs = losses_of(cfg, train_ds, 6, eager_counts)
     assert graphs == 0
-    captured, graphs = losses_of(dataclasses.replace(cfg, cuda_graph_impl="local"), train_ds, 6)
+    captured, graphs = losses_of(dataclasses.replace(cfg, cuda_graph_impl="local"), train_ds, 6, captured_counts)
     assert graphs == 2 if not packed else 2 <= graphs <= 8
     tolerance = {("fp32", False): 1e-5, ("fp32", True): 1e-4, ("bf16", False): 2e-3, ("bf16", True): 1e-2}[
         precision, packed]  # packed: other shapes, so other summation orders (as the packed-vs-padded test)
     assert all(abs(a - b) <= tolerance * abs(b) for a, b in zip(captured, eager)), (captured, eager)
     assert eager[-1] < eager[0]
+    # the accuracy counts come out of the replays too: the same masked positions and samples (the fillers
+    # count for nothing), the same right predictions up to a rounding-flipped near-tie or two
+    for a, b in zip(captured_counts, eager_counts):
+        assert set(a) == {"lm correct", "lm masked", "sop correct", "sop samples"} and a["lm masked"] > 0
+        assert (a["lm masked"], a["sop samples"]) == (b["lm masked"], b["sop samples"]), (a, b)
+        assert abs(a["lm correct"] - b["lm correct"]) <= 2 and abs(a["sop correct"] - b["sop correct"]) <= 1, (a, b)
 
 
 @pytest.mark.parametrize("packed", [True, False], ids=["packed", "padded"])
