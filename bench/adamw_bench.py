@@ -28,6 +28,7 @@ from minibert.config import Config  # noqa: E402
 from minibert.validate import validate  # noqa: E402
 from minibert.kernels import adamw as adamw_kernel  # noqa: E402
 from minibert.model import BertModel  # noqa: E402
+from minibert.build import build_grad_buffers  # noqa: E402
 from minibert.optim import build_optimizer  # noqa: E402
 
 MODELS = {"BERT-large": (24, 1024, 16), "BERT-base": (12, 768, 12)}
@@ -41,7 +42,7 @@ def _optimizer(layers, hidden, heads):
                           lr=1e-4, bf16=True), device_type="cuda", warn=None)
     torch.manual_seed(0)
     model = BertModel(cfg).to(device="cuda", dtype=torch.bfloat16)
-    optimizer = build_optimizer(model, cfg)
+    optimizer = build_optimizer(build_grad_buffers(model, cfg), cfg)
     g = torch.Generator(device="cuda").manual_seed(1)
     for shard in optimizer.shards:  # gradients of a plausible size, and moments after some steps
         shard.grad.copy_(torch.randn(shard.grad.shape, device="cuda", generator=g) * 1e-3)

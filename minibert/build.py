@@ -1,5 +1,6 @@
-"""This rank's share of the run, built for its place in the layout: the model chunks, the optimizer
-over their gradient buckets, the LR schedule, the pipeline plan, and the random generators.
+"""This rank's share of the run, built for its place in the layout: the model chunks and their
+data-parallel gradient buffers, the optimizer over those buckets, the LR schedule, the pipeline plan,
+and the random generators.
 
     --seed --> python / numpy / torch generators (+ 100 x pipeline stage)  -> dropout
            --> one generator per tensor-parallel rank (minibert.parallel.rng) -> dropout inside TP
@@ -17,6 +18,7 @@ from minibert.config import compute_dtype
 from minibert.lr_schedule import build_scheduler
 from minibert.model import BertModel, init_parameters
 from minibert.optim import build_optimizer
+from minibert.parallel.data_parallel import DataParallelGrads
 from minibert.parallel.pipeline import Pipeline
 from minibert.parallel.rng import TENSOR_PARALLEL_SEED_OFFSET, TensorParallelRNG
 from minibert.parallel.schedules import layer_ranges
@@ -90,13 +92,30 @@ def build_pipeline(cfg, state):
                     (cfg.micro_batch_size, seq, cfg.hidden_size), compute_dtype(cfg), cfg.pipeline_trace)
 
 
+def build_grad_buffers(model, cfg, state=None) -> list:
+    """Each model chunk's data-parallel gradient buffers (minibert.parallel.data_parallel): every parameter's
+    fp32 `main_grad` is a view of a bucket, which finalize_model_grads reduces over the data-parallel group.
+    Kept on the chunk as `chunk.grad_buffers` (Megatron's DDP wrapper holds them the same way); returns them.
+    `model`: a model or a list of chunks; state None: one process."""
+    state = state or ParallelState()
+    chunks = as_chunks(model)
+    separate = ("embedding.word_embeddings.weight",) if state.pp > 1 else ()  # ZeRO shards align across stages
+    for chunk in chunks:
+        chunk.grad_buffers = DataParallelGrads(chunk, state, bucket_size=cfg.ddp_bucket_size,
+                                               distributed_optimizer=cfg.use_distributed_optimizer,
+                                               overlap=cfg.overlap_grad_reduce, separate=separate,
+                                               gradient_accumulation_fusion=cfg.gradient_accumulation_fusion)
+    return [chunk.grad_buffers for chunk in chunks]
+
+
 def build_model_and_optimizer(cfg, state):
-    """The model (build_model), AdamW with fp32 masters over the gradient buckets, and the LR scheduler.
-    `state`: a ParallelState or a device."""
+    """The model (build_model) with its gradient buffers (build_grad_buffers), AdamW with fp32 masters
+    over those buckets, and the LR scheduler. `state`: a ParallelState or a device."""
     state = as_state(state)
     if state.rng is None:
         set_random_seed(cfg.seed, state)
     model = build_model(cfg, state)
-    optimizer = build_optimizer(model, cfg, state, tied_embedding(as_chunks(model), state))
+    grads = build_grad_buffers(model, cfg, state)
+    optimizer = build_optimizer(grads, cfg, state, tied_embedding(as_chunks(model), state))
     scheduler = build_scheduler(optimizer, cfg)
     return model, optimizer, scheduler

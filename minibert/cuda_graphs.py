@@ -97,7 +97,7 @@ class CapturedMicroBatch:
                         "loss_positions": self.static.get("loss_positions"), "lm_rows": self.static.get("lm_rows")}
         run = lambda accumulate: forward_backward(forward_step, model, optimizer, num_micro_batches,  # noqa: E731
                                                   static_batch, accumulate)
-        warm_up(run, stream, optimizer.grads)  # warm-up and capture on the model's side stream (ModelGraphs)
+        warm_up(run, stream, [model.grad_buffers])  # warm-up and capture on the model's side stream (ModelGraphs)
         self.graph = torch.cuda.CUDAGraph()
         # thread_local: only this thread is barred from unsafe CUDA calls while recording (the DataLoader's
         # pin-memory thread keeps pinning batches meanwhile); no garbage collection while recording: what it
@@ -135,15 +135,14 @@ def forward_backward(forward_step, model, optimizer, num_micro_batches, batch, a
     counts in COUNTS order (lm correct, lm masked, sop correct, sop samples; the first 2 without the
     binary head), has the sop loss). Two packed tensors, so a replay copies its outputs in two copies."""
     loss, metrics = forward_step(batch, model, None)
-    for g in optimizer.grads:
-        g.set_last_micro_batch(False)  # nothing is reduced inside a graph
+    grads = model.grad_buffers  # minibert.build.build_grad_buffers
+    grads.set_last_micro_batch(False)  # nothing is reduced inside a graph: finalize_model_grads does it after
     optimizer.scale_loss(loss / num_micro_batches).backward()
-    for g in optimizer.grads:
-        if accumulate:
-            g.accumulate()  # main_grad += grad, then the 16-bit grads are freed
-        else:
-            for p in g.params:
-                p.grad = None
+    if accumulate:
+        grads.accumulate()  # main_grad += grad, then the 16-bit grads are freed
+    else:
+        for p in grads.params:
+            p.grad = None
     sop = metrics.get("sop loss", metrics["lm loss"])
     counts = torch.stack([metrics[name] for name in COUNTS if name in metrics])
     return torch.stack([loss.detach(), metrics["lm loss"], sop]), counts, "sop loss" in metrics
@@ -211,13 +210,12 @@ def forward_backward_captured(forward_step, batches, model, optimizer):
         inputs = graph_inputs(batch)  # once per micro-batch: the key and the copies both read it
         # a step's first micro-batch records a copy into the main grads, the others an add (see
         # minibert/parallel/data_parallel.py): a graph of each kind where a step has several
-        key = shape_key(batch, len(batches), inputs) + (tuple(g.fresh for g in optimizer.grads),)
+        key = shape_key(batch, len(batches), inputs) + (model.grad_buffers.fresh,)
         if key not in graphs.by_shape:
             graphs.by_shape[key] = CapturedMicroBatch(forward_step, model, optimizer, len(batches), batch,
                                                       graphs.pool, graphs.stream)
         results.append(graphs.by_shape[key].replay(batch, inputs))
-        for g in optimizer.grads:
-            g.fresh = False  # the replay ran the recorded fold: the next micro-batch adds
+        model.grad_buffers.fresh = False  # the replay ran the recorded fold: the next micro-batch adds
     return results
 
 

@@ -47,7 +47,6 @@ from torch.optim.adamw import adamw as pytorch_adamw  # the functional form (upd
 import torch.distributed as dist
 
 from minibert.loss_scale import DynamicLossScaler
-from minibert.parallel.data_parallel import DataParallelGrads, finalize_gradients
 from minibert.parallel.state import ParallelState
 
 
@@ -98,9 +97,12 @@ StepOutcome = namedtuple("StepOutcome", ["update_successful", "grad_norm", "stat
 class MixedPrecisionOptimizer:
     """AdamW (decoupled weight decay, as Megatron's 'adam') on fp32 masters, over DP gradient buckets.
 
-    Use per iteration: zero_grad(); for each micro-batch: scale_loss(loss / n).backward(); step().
-    step() finishes the gradient reduction, then returns StepOutcome(update_successful, grad_norm,
-    status): grad_norm a 0-d tensor taken before clipping (None when the step was skipped)."""
+    Use per iteration: zero_grad(); for each micro-batch: scale_loss(loss / n).backward() and fold the
+    gradients into the fp32 buffers (DataParallelGrads.accumulate: the schedules do it);
+    finalize_model_grads (the data-parallel reduction); step(), which returns StepOutcome(update_successful,
+    grad_norm, status): grad_norm a 0-d tensor taken before clipping (None when the step was skipped).
+    `grads`: the DataParallelGrads of each model chunk (minibert.build.build_grad_buffers), whose buckets
+    the optimizer updates."""
 
     def __init__(self, grads: list, state: ParallelState, *, lr=0.0, weight_decay=0.01, betas=(0.9, 0.999),
                  eps=1e-8, clip_grad=1.0, loss_scaler: DynamicLossScaler = None, shared_embedding=None, kernel=None):
@@ -151,11 +153,7 @@ class MixedPrecisionOptimizer:
         return self.loss_scaler.scale if self.loss_scaler is not None else 1.0
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """The loss to call backward on (fp16: times the loss scale). Called before each micro-batch's
-        backward, it first folds the previous backward's gradients into the fp32 main grads, so the plain
-        loop `scale_loss(loss / n).backward()` accumulates in fp32 even without a schedule."""
-        for g in self.grads:
-            g.accumulate()
+        """The loss to call backward on (fp16: times the loss scale)."""
         return loss * self.loss_scaler.scale if self.loss_scaler is not None else loss
 
     def zero_grad(self):
@@ -169,7 +167,8 @@ class MixedPrecisionOptimizer:
 
     @torch.profiler.record_function("MixedPrecisionOptimizer.step")  # a named range in --profile's trace
     def step(self, nonfinite_loss=None) -> StepOutcome:
-        """nonfinite_loss: 0-d device tensor, > 0 when a micro-batch's loss on this rank was inf/NaN.
+        """The update, from gradients that finalize_model_grads has made final. nonfinite_loss: 0-d device
+        tensor, > 0 when a micro-batch's loss on this rank was inf/NaN.
 
         The update is queued before the host learns whether to make it. AdamW (either kernel, see update)
         takes two 0-d device tensors: it divides each gradient by a divisor before using it, and changes
@@ -177,7 +176,6 @@ class MixedPrecisionOptimizer:
         (fp16), clipping and the decision to skip are computed on the device, and the one host sync of the
         step, reading [||g||^2, bad losses] for the log and the loss scaler, comes after AdamW and the copy
         back are queued: the GPU runs them while the host decides, instead of waiting for its next call."""
-        finalize_gradients(self.grads, self.state, self.shared_embedding)
         scale = self.loss_scale                           # fp16: the main grads are still times the scale
         status = self._global_status(nonfinite_loss)      # [||scale g||^2, bad losses]
         sumsq = status[0] / (scale * scale)
@@ -324,22 +322,14 @@ def _cut(saved_entries, key, start, end):
     return cut
 
 
-def build_optimizer(model_chunks, cfg, state: ParallelState = None, shared_embedding=None) -> MixedPrecisionOptimizer:
-    """The gradient buckets of every model chunk (minibert.parallel.data_parallel) and AdamW over them.
-    `model_chunks`: a model or a list of them (the interleaved pipeline's chunks); state None: one process."""
-    state = state or ParallelState()
-    chunks = model_chunks if isinstance(model_chunks, (list, tuple)) else [model_chunks]
-    separate = ("embedding.word_embeddings.weight",) if state.pp > 1 else ()  # ZeRO shards align across stages
-    grads = [DataParallelGrads(chunk, state, bucket_size=cfg.ddp_bucket_size,
-                               distributed_optimizer=cfg.use_distributed_optimizer,
-                               overlap=cfg.overlap_grad_reduce, separate=separate,
-                               gradient_accumulation_fusion=cfg.gradient_accumulation_fusion)
-             for chunk in chunks]
+def build_optimizer(grads, cfg, state: ParallelState = None, shared_embedding=None) -> MixedPrecisionOptimizer:
+    """AdamW over the gradient buckets `grads` (minibert.build.build_grad_buffers) as the flags say.
+    state None: one process."""
     scaler = None
     if cfg.fp16:
         scaler = DynamicLossScaler(cfg.initial_loss_scale, cfg.min_loss_scale,
                                    cfg.loss_scale_window, cfg.hysteresis)
-    return MixedPrecisionOptimizer(grads, state, weight_decay=cfg.weight_decay,
+    return MixedPrecisionOptimizer(grads, state or ParallelState(), weight_decay=cfg.weight_decay,
                                    betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
                                    clip_grad=cfg.clip_grad, loss_scaler=scaler, shared_embedding=shared_embedding,
                                    kernel=None if cfg.adam_fusion else "torch")

@@ -4,8 +4,9 @@
         zero the gradient buffers
         schedule: for each of G / (m x DP) micro-batches      gradient accumulation (G global, m micro batch)
             loss = (lm + sop) / number of micro-batches         (fp16: x loss scale)
-            loss.backward()                                     grads add up in fp32 buffers; the last
-                                                                micro-batch's are averaged over DP
+            loss.backward()                                     grads add up in fp32 buffers
+        finalize_model_grads    the buffers averaged over DP (overlapped with the last backward with
+                                --overlap-grad-reduce), the sequence- and pipeline-parallel copies summed
         optimizer.step()        global grad norm; skip on inf/NaN; clip; AdamW on fp32 masters
         scheduler.step(G)       only when the update happened (a skipped step keeps its LR)
         log every --log-interval, evaluate every --eval-interval, save every --save-interval
@@ -37,12 +38,14 @@ import torch
 from minibert import checkpoint, resume
 from minibert.batches import (BATCH_KEYS, MicroBatchSampler, PrefetchingBatches, build_data_iterator,  # noqa: F401
                               build_datasets, data_stream, get_batch)
-from minibert.build import as_chunks, as_state, build_model_and_optimizer, build_pipeline, set_random_seed
+from minibert.build import (as_chunks, as_state, build_model_and_optimizer, build_pipeline, set_random_seed,
+                            tied_embedding)
 from minibert.config import parse_args
 from minibert.cuda_graphs import forward_backward_captured
 from minibert.errors import UsageError, exit_on_usage_error, write_line
 from minibert.model import pretraining_loss
 from minibert.parallel import faults
+from minibert.parallel.data_parallel import finalize_model_grads
 from minibert.parallel.pipeline import forward_backward_no_pipelining, forward_backward_pipelining, forward_pipelining
 from minibert.parallel.state import ParallelState
 from minibert.profiling import Profiler
@@ -135,18 +138,21 @@ def next_batches(data_iterator, cfg, state):
 
 
 def train_step(model, optimizer, scheduler, data_iterator, cfg, state, pipeline=None) -> StepResult:
-    """One optimizer step over a global batch: the schedule runs the micro-batches, then the update."""
+    """One optimizer step over a global batch: the schedule runs the micro-batches (forward, backward, the
+    gradients folded into each chunk's fp32 buffers), finalize_model_grads reduces the gradients over the
+    data-parallel group (and the sequence- and pipeline-parallel copies), then the optimizer updates."""
     state = as_state(state)
+    chunks = as_chunks(model)
+    grads = [chunk.grad_buffers for chunk in chunks]  # minibert.build.build_grad_buffers
     optimizer.zero_grad()
     step = functools.partial(forward_step, cfg=cfg)
     batches = next_batches(data_iterator, cfg, state)
     if cfg.cuda_graph_impl == "local":  # the same micro-batches, each replayed from a CUDA graph
-        results = forward_backward_captured(step, batches, as_chunks(model)[0], optimizer)
+        results = forward_backward_captured(step, batches, chunks[0], optimizer)
     elif pipeline is None:
-        results = forward_backward_no_pipelining(step, batches, as_chunks(model), grads=optimizer.grads,
-                                                 scale_loss=optimizer.scale_loss)
+        results = forward_backward_no_pipelining(step, batches, chunks, grads=grads, scale_loss=optimizer.scale_loss)
     else:
-        results = forward_backward_pipelining(step, batches, as_chunks(model), pipeline, grads=optimizer.grads,
+        results = forward_backward_pipelining(step, batches, chunks, pipeline, grads=grads,
                                               scale_loss=optimizer.scale_loss)
     losses = {name: sum(m[name] for _, m in results) / len(results)
               for name in ("lm loss", "sop loss") if results and name in results[0][1]}
@@ -154,6 +160,7 @@ def train_step(model, optimizer, scheduler, data_iterator, cfg, state, pipeline=
     nonfinite = sum((~torch.isfinite(loss)).float() for loss, _ in results) if results else None
     if isinstance(data_iterator, PrefetchingBatches):  # the next step's batches, while the GPU runs this one
         data_iterator.prefetch(functools.partial(fetch_batches, data_iterator, cfg, state))
+    finalize_model_grads(grads, state, tied_embedding(chunks, state))
     outcome = optimizer.step(nonfinite)
     if outcome.update_successful:
         scheduler.step(increment=cfg.global_batch_size)

@@ -10,6 +10,7 @@ from minibert.batches import MicroBatchSampler
 from minibert.config import Config
 from minibert.validate import validate
 from minibert.model import BertModel
+from minibert.build import build_grad_buffers
 from minibert.optim import build_optimizer
 from minibert.parallel.data_parallel import DataParallelGrads
 from minibert.parallel.state import ParallelState
@@ -57,8 +58,8 @@ def test_optimizer_state_per_rank_of_the_chapter_model(dtype, bytes_per_paramete
     for dp in (1, 2, 4):
         cfg = chapter_model_config(dp, use_distributed_optimizer=dp > 1, ddp_bucket_size=100_000,
                                    bf16=dtype == "bf16")
-        per_rank[dp] = [build_optimizer(meta_model(cfg), cfg, ParallelState(dp=dp, rank=r)).state_bytes()
-                        for r in range(dp)]
+        per_rank[dp] = [build_optimizer(build_grad_buffers(meta_model(cfg), cfg, ParallelState(dp=dp, rank=r)), cfg,
+                                        ParallelState(dp=dp, rank=r)).state_bytes() for r in range(dp)]
     n = sum(p.numel() for p in meta_model(chapter_model_config()).parameters())
     assert n == 2_101_378
     assert per_rank[1] == [n * bytes_per_parameter]

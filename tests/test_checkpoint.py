@@ -12,6 +12,7 @@ from minibert.config import Config
 from minibert.errors import UsageError, exit_on_usage_error
 from minibert.model import BertModel
 from minibert.lr_schedule import build_scheduler
+from minibert.build import build_grad_buffers
 from minibert.optim import build_optimizer
 
 
@@ -22,7 +23,7 @@ def tiny_setup(**overrides):
     cfg = Config(**{**settings, **overrides})
     torch.manual_seed(0)
     model = BertModel(cfg).to(torch.float16 if cfg.fp16 else torch.float32)
-    optimizer = build_optimizer(model, cfg)
+    optimizer = build_optimizer(build_grad_buffers(model, cfg), cfg)
     scheduler = build_scheduler(optimizer, cfg)
     return cfg, model, optimizer, scheduler
 

@@ -82,6 +82,7 @@ def test_fused_model_gradients_equal_the_plain_ones():
     from minibert.config import Config
     from minibert.validate import validate
     from minibert.model import BertModel
+    from minibert.build import build_grad_buffers
     from minibert.optim import build_optimizer
 
     main_grads, grads_made = [], []
@@ -92,7 +93,7 @@ def test_fused_model_gradients_equal_the_plain_ones():
                               gradient_accumulation_fusion=fusion), warn=None)
         torch.manual_seed(0)
         model = BertModel(cfg)
-        optimizer = build_optimizer(model, cfg)
+        optimizer = build_optimizer(build_grad_buffers(model, cfg), cfg)
         optimizer.zero_grad()
         g = torch.Generator().manual_seed(3)
         for _ in range(2):

@@ -13,8 +13,16 @@ from minibert.model import BertModel
 from minibert.loss_scale import DynamicLossScaler
 from minibert.lr_schedule import OptimizerParamScheduler, build_scheduler
 from minibert.optim import MixedPrecisionOptimizer, build_optimizer
-from minibert.parallel.data_parallel import DataParallelGrads
+from minibert.build import build_grad_buffers
+from minibert.parallel.data_parallel import DataParallelGrads, finalize_model_grads
 from minibert.parallel.state import ParallelState
+
+
+def finalized_step(opt, nonfinite_loss=None):
+    """The trainer's order: finalize_model_grads (in one process: the last fold of the gradients into the
+    fp32 buffers), then the update."""
+    finalize_model_grads(opt.grads, opt.state)
+    return opt.step(nonfinite_loss)
 
 
 def one_process_optimizer(model, **kwargs):
@@ -111,7 +119,7 @@ def test_no_weight_decay_on_biases_and_layernorm(kernel):
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     for p in model.parameters():
         p.grad = torch.zeros_like(p)  # zero gradient: AdamW moves only by its weight decay
-    assert opt.step()[0]
+    assert finalized_step(opt)[0]
     for name, p in model.named_parameters():
         if name.endswith(".bias") or p.ndim == 1:
             assert torch.equal(p, before[name]), name
@@ -135,7 +143,7 @@ def test_fp32_step_matches_pytorch_clip_and_adamw(kernel):
         x = torch.randn(5, 4) * 10  # large inputs: the gradient norm is well above 0.5
         ours.zero_grad()
         model(x).backward()
-        ok, norm, _ = ours.step()
+        ok, norm, _ = finalized_step(ours)
         ref_opt.zero_grad()
         reference(x).backward()
         ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.5)
@@ -205,7 +213,7 @@ def test_fp16_overflow_skips_the_step(kernel):
     for _ in range(2):
         opt.zero_grad()
         opt.scale_loss(model(x)).backward()  # x 2^32 overflows fp16's 65504
-        results.append(opt.step())
+        results.append(finalized_step(opt))
     assert [r[:2] for r in results] == [(False, None), (False, None)]
     assert all(torch.equal(a, b) for a, b in zip(params, model.parameters()))
     assert all(torch.equal(a, b) for a, b in zip(masters, opt.master_params))
@@ -217,7 +225,7 @@ def test_fp16_overflow_skips_the_step(kernel):
     scaler.scale = 2.0 ** 4           # a scale that fits: the step happens, unscaled
     opt.zero_grad()
     opt.scale_loss(model(x)).backward()
-    ok, norm, _ = opt.step()
+    ok, norm, _ = finalized_step(opt)
     assert ok and torch.isfinite(norm) and not torch.equal(params[0], model.linear.weight)
     assert opt.steps_made == 1 and all(pc.exp_avg.any() for pc in opt.pieces)
     assert all(pc.step.item() == (1 if kernel == "torch" else 0) for pc in opt.pieces)
@@ -244,7 +252,8 @@ def test_bf16_masters_stay_fp32_and_accumulate_in_fp32(kernel):
         single.append([p.grad.float() for p in twin.parameters()])
     opt.zero_grad()
     for x in xs:
-        opt.scale_loss(model(x)).backward()  # the optimizer's loop: each backward folded in fp32
+        opt.scale_loss(model(x)).backward()
+        opt.grads[0].accumulate()  # what the schedules do after each backward: folded into fp32
     opt.grads[0].finish()
     for i, p in enumerate(model.parameters()):  # the fp32 main-grad buffer holds the sum of both
         torch.testing.assert_close(p.main_grad, single[0][i] + single[1][i], rtol=0, atol=0)
@@ -259,7 +268,7 @@ def test_bf16_masters_stay_fp32_and_accumulate_in_fp32(kernel):
         plain_opt.step()
         opt.zero_grad()
         model(xs[0]).backward()
-        opt.step()
+        finalized_step(opt)
     assert torch.equal(plain.norm.weight, torch.ones(3, dtype=torch.bfloat16))
     assert (model.norm.weight.float() - 1.0).abs().max() > 2.0 ** -7
     assert all(m.dtype == torch.float32 for m in opt.master_params)
@@ -284,7 +293,7 @@ def test_a_steps_first_fold_copies_and_zeroes_what_got_no_gradient():
     assert grads.fresh and all(bucket.grad_data.eq(3.0).all() for bucket in grads.buckets)  # nothing written
     params = list(model.parameters())
     xs = [torch.randn(3, 4, dtype=torch.bfloat16) for _ in range(2)]
-    opt.scale_loss(model(xs[0])).backward()  # scale_loss folds the grads so far: none yet, nothing written
+    opt.scale_loss(model(xs[0])).backward()  # the 16-bit gradients: nothing in the buffers yet
     assert grads.fresh and all(bucket.grad_data.eq(3.0).all() for bucket in grads.buckets)
     params[0].grad = None  # as if this micro-batch had not reached the first parameter
     first = [torch.zeros_like(p, dtype=torch.float32) if p.grad is None else p.grad.float() for p in params]
@@ -313,14 +322,14 @@ def test_optimizer_state_dict_roundtrip_weights_only(save_kernel, load_kernel):
     cfg = tiny_bert_config(bf16=True, fp16=False)
     torch.manual_seed(0)
     model = BertModel(cfg).to(torch.bfloat16)
-    opt = build_optimizer(model, cfg)
+    opt = build_optimizer(build_grad_buffers(model, cfg), cfg)
     opt.kernel = save_kernel
     tokens = torch.randint(0, 50, (2, 8))
 
     def step(m, o):
         o.zero_grad()
         m(tokens).lm_logits.float().logsumexp(-1).mean().backward()
-        return o.step()
+        return finalized_step(o)
 
     step(model, opt)
     buffer = io.BytesIO()
@@ -329,7 +338,7 @@ def test_optimizer_state_dict_roundtrip_weights_only(save_kernel, load_kernel):
     loaded = torch.load(buffer, weights_only=True)
     model2 = BertModel(cfg).to(torch.bfloat16)
     model2.load_state_dict(loaded["model"])
-    opt2 = build_optimizer(model2, cfg)
+    opt2 = build_optimizer(build_grad_buffers(model2, cfg), cfg)
     opt2.kernel = load_kernel
     opt2.load_state_dict(loaded["optimizer"])
     assert opt2.steps_made == 1

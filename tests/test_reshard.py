@@ -21,7 +21,10 @@ from minibert import checkpoint, convert, reshard
 from minibert.config import Config
 from minibert.model import BertModel
 from minibert.lr_schedule import build_scheduler
+from minibert.build import build_grad_buffers
 from minibert.optim import build_optimizer
+from minibert.parallel.data_parallel import finalize_model_grads
+from minibert.parallel.state import ParallelState
 from tests import launch
 
 WORD = "embedding.word_embeddings.weight"
@@ -169,11 +172,12 @@ def eight_head_checkpoint(directory):
                  micro_batch_size=2, global_batch_size=2, train_iters=10, lr=1e-2, lr_decay_iters=10,
                  attention_backend="local", bf16=True)
     model = BertModel(cfg).to(torch.bfloat16)
-    optimizer = build_optimizer(model, cfg)
+    optimizer = build_optimizer(build_grad_buffers(model, cfg), cfg)
     scheduler = build_scheduler(optimizer, cfg)
     optimizer.zero_grad()
     tokens = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(0))
     model(tokens).lm_logits.logsumexp(-1).mean().backward()
+    finalize_model_grads(optimizer.grads, ParallelState())
     assert optimizer.step().update_successful
     rng = {**checkpoint.get_rng_state(), "tensor_parallel": {"cpu": torch.get_rng_state(), "cuda": None}}
     state = checkpoint.training_state(cfg, 1, model, optimizer, scheduler, 2, 0, rng_state=rng)

@@ -60,6 +60,6 @@ def test_notebook_prints_what_it_says(executed):
         "inside the region, the ranks' patterns differ:         True",
         "reduce-scatter then all-gather == all-reduce: True",
         "one rank's LayerNorm weight gradient == the whole one: False",
-        "summed over the ranks (finalize_gradients) == the whole one: True",
+        "summed over the ranks (finalize_model_grads) == the whole one: True",
     ]:
         assert line in text, line

@@ -232,8 +232,8 @@ class DataParallelGrads:
             h.wait()
 
 
-def finalize_gradients(all_grads, state, shared_embedding=None):
-    """After the backward of a step, on every rank (Megatron: finalize_model_grads):
+def finalize_model_grads(all_grads, state, shared_embedding=None):
+    """After the backward of a step, before the optimizer, on every rank (Megatron's name):
     1. the data-parallel reduction of each model chunk;
     2. sequence parallelism: the parameters every tensor-parallel rank holds whole but applied to its own
        slice of the sequence (LayerNorms, row-parallel biases) got only that slice's gradient: sum them

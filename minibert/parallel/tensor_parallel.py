@@ -20,7 +20,7 @@ are this rank's shards allocated and initialised (init_parameters draws each ful
 seed and keeps the block): no rank ever holds the whole model. At TP = 1 no module is swapped.
 
 Sequence parallelism: `to_layers` / `from_layers` scatter and gather the sequence, every LayerNorm inside
-works on s/p positions (its gradients are then summed over the group: finalize_gradients), and the
+works on s/p positions (its gradients are then summed over the group: finalize_model_grads), and the
 column-parallel layers gather, the row-parallel ones reduce-scatter."""
 import fnmatch
 import functools

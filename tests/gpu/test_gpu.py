@@ -73,7 +73,10 @@ def test_gradient_accumulation_fusion_equals_the_plain_main_grads(dtype):
     from minibert.validate import validate
     from minibert.linear import Linear
     from minibert.model import BertModel
+    from minibert.build import build_grad_buffers
     from minibert.optim import build_optimizer
+    from minibert.parallel.data_parallel import finalize_model_grads
+    from minibert.parallel.state import ParallelState
     main_grads = []
     for fusion in (False, True):
         cfg = validate(Config(num_layers=2, hidden_size=256, num_attention_heads=4, seq_length=128,
@@ -83,7 +86,7 @@ def test_gradient_accumulation_fusion_equals_the_plain_main_grads(dtype):
                               gradient_accumulation_fusion=fusion), device_type="cuda", warn=None)
         torch.manual_seed(0)
         model = BertModel(cfg).to(device="cuda", dtype=dtype)
-        optimizer = build_optimizer(model, cfg)
+        optimizer = build_optimizer(build_grad_buffers(model, cfg), cfg)
         optimizer.zero_grad()
         g = torch.Generator(device="cuda").manual_seed(3)
         for _ in range(2):
@@ -108,7 +111,10 @@ def test_adamw_kernel_equals_pytorch_fused_adamw_and_the_copy_back(dtype):
     from minibert.config import Config
     from minibert.validate import validate
     from minibert.model import BertModel
+    from minibert.build import build_grad_buffers
     from minibert.optim import build_optimizer
+    from minibert.parallel.data_parallel import finalize_model_grads
+    from minibert.parallel.state import ParallelState
     runs = []
     for kernel in ("torch", "triton"):
         cfg = validate(Config(num_layers=2, hidden_size=256, num_attention_heads=4, seq_length=128,
@@ -118,7 +124,7 @@ def test_adamw_kernel_equals_pytorch_fused_adamw_and_the_copy_back(dtype):
                               bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16), device_type="cuda", warn=None)
         torch.manual_seed(0)
         model = BertModel(cfg).to(device="cuda", dtype=dtype)
-        optimizer = build_optimizer(model, cfg)
+        optimizer = build_optimizer(build_grad_buffers(model, cfg), cfg)
         assert optimizer.kernel == "triton"  # the default on CUDA
         optimizer.kernel = kernel
         g = torch.Generator(device="cuda").manual_seed(3)
@@ -127,6 +133,7 @@ def test_adamw_kernel_equals_pytorch_fused_adamw_and_the_copy_back(dtype):
             text = torch.randint(0, cfg.padded_vocab_size, (8, 128), generator=g, device="cuda")
             out = model(text, torch.zeros_like(text), padding_mask=torch.zeros_like(text, dtype=torch.bool))
             optimizer.scale_loss(out.lm_logits.float().logsumexp(-1).mean() + out.binary_logits.float().sum()).backward()
+            finalize_model_grads(optimizer.grads, ParallelState())
             assert optimizer.step().update_successful
         for p, m in zip(model.parameters(), optimizer.master_params):
             assert torch.equal(p, m.to(dtype))
