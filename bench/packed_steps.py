@@ -34,6 +34,7 @@ from bench.train_bench_data import megatron_batches, stream_batches  # noqa: E40
 from minibert.config import Config  # noqa: E402
 import minibert.batches as batches_module  # noqa: E402
 import minibert.model as model_module  # noqa: E402
+import minibert.train as train_module  # noqa: E402
 from minibert import attention  # noqa: E402
 from minibert.train import build_model_and_optimizer, train_step  # noqa: E402
 
@@ -62,9 +63,9 @@ PLAN = {  # batches -> the variants run on them, in this order
 
 def use_scatter_route(on):
     """Make the flash backend take the scatter route of every other backend (on) or its own varlen route:
-    the one decision, attention.reads_packed_rows, as the model and get_batch imported it."""
+    the one decision, attention.reads_packed_rows, as the model and the trainer's get_batch imported it."""
     decide = (lambda backend: False) if on else attention.reads_packed_rows
-    model_module.reads_packed_rows = batches_module.reads_packed_rows = decide
+    model_module.reads_packed_rows = train_module.reads_packed_rows = decide
 
 
 def kernel_ms_per_step(cfg, batches, device, steps=2, cpu_table=False):

@@ -71,11 +71,11 @@ import torch  # noqa: E402
 
 from bench.train_bench_data import (SEED, length_histogram_notes, mean_real_tokens, megatron_batches,  # noqa: E402
                                     pinned, prepare_corpus, stream_batches)
-from minibert.batches import PrefetchingBatches, batch_flops, build_data_iterator, build_datasets  # noqa: E402
+from minibert.batches import PrefetchingBatches, build_data_iterator, build_datasets  # noqa: E402
 from minibert.config import Config  # noqa: E402
 from minibert.validate import validate  # noqa: E402
 from minibert.errors import OneLineArgumentParser, UsageError, exit_on_usage_error  # noqa: E402
-from minibert.training_log import PEAK_FLOPS  # noqa: E402
+from minibert.training_log import PEAK_FLOPS, batch_flops  # noqa: E402
 from minibert.train import build_model_and_optimizer, train_step  # noqa: E402
 
 DATASHEET_FLOPS = 989e12  # H200 bf16 dense, the datasheet's figure (docs/measuring.md reports both)
@@ -266,12 +266,13 @@ def measure(contender, cfg, batches, settings) -> Measurement:
     loss = float(loss)
     if not np.isfinite(loss):
         raise RuntimeError(f"{contender}: the loss is {loss} after {settings.warmup + settings.steps} steps")
-    counts = [batch_flops(b, cfg, b["padding_mask"] != 1) for b in timed]
+    lengths = [(b["padding_mask"] == 1).sum(dim=1) for b in timed]  # [b] real tokens per sample
+    flops = sum(batch_flops(cfg, real, int(b["loss_mask"].sum())) for b, real in zip(timed, lengths))
     del step
     if contender == "HF compiled":
         torch.compiler.reset()  # drop the compiled graphs (and the model they hold)
-    return Measurement(seconds, settings.steps, sum(len(b["text"]) for b in timed), sum(t for _, t in counts),
-                       sum(f for f, _ in counts), peak, loss)
+    return Measurement(seconds, settings.steps, sum(len(b["text"]) for b in timed),
+                       sum(int(real.sum()) for real in lengths), flops, peak, loss)
 
 
 def contenders_for(names, settings):

@@ -1,7 +1,7 @@
 """The trainer's data: datasets from the flags, Megatron's sampler, micro-batches on the device.
 
     .bin/.idx --(masked_lm: Megatron's samples)--> dataset rows --(MicroBatchSampler)--> this rank's rows
-              --(DataLoader: workers make samples)--> CPU batch --(get_batch)--> device tensors
+              --(DataLoader: workers make samples)--> CPU batch --(next_micro_batch)--> device tensors
 
 Every process builds the same datasets (a sample is a pure function of its row: masked_lm.py), and the
 sampler hands data-parallel rank r its own rows of each global batch, so DP = N consumes exactly the rows
@@ -10,17 +10,20 @@ ranks wait at a barrier, then they read the cached file.
 
 What shapes the stream of samples (the data, seed, sequence length, split, masking, vocab, binary head)
 is stored in every checkpoint: a resume with other values would silently point consumed_samples into
-another index, so it stops instead (resume.check_data_stream)."""
+another index, so it stops instead (resume.check_data_stream).
+
+This is the data side: it knows nothing of the model or the loop. What the model decides about a batch
+(whether its attention reads packed rows) comes in as an argument; what the log makes of it (model FLOPs)
+is computed by the trainer from the counts the batch carries (train.get_batch)."""
 import hashlib
 import os
 
 import numpy as np
 import torch
 
-from minibert.blended_dataset import build_blended_train_valid_test_datasets, parse_data_path
+from minibert.blended_dataset import parse_data_path
 from minibert.errors import UsageError
-from minibert.masked_lm import open_data_prefix, split_num_samples
-from minibert.attention import backend_for, reads_packed_rows
+from minibert.masked_lm import build_blended_train_valid_test_datasets, open_data_prefix, split_num_samples
 from minibert.packing import fill_rows, make_packing, packing_threshold, to_device, trimmed_length, worth_packing
 from minibert.tokenizer import DEFAULT_VOCAB_FILE, build_tokenizer
 
@@ -154,19 +157,13 @@ def stack_samples(samples):
     return {key: np.stack([sample[key] for sample in samples]) for key in samples[0]}
 
 
-def batch_flops(cpu_batch, cfg, is_pad):
-    """-> (model FLOPs, real tokens) of one micro-batch, counted on the host (training_log's formula)."""
-    from minibert.training_log import model_flops
-    lengths = (~is_pad).sum(dim=1).to(torch.float64)  # [b] real tokens per sample
-    head_positions = float(cpu_batch["loss_mask"].sum()) if cfg.sparse_mlm else float(lengths.sum())
-    return model_flops(cfg, lengths, head_positions), int(lengths.sum())
-
-
-def get_batch(data_iterator, device, cfg):
-    """The next micro-batch as device tensors, plus `is_pad` (bool [b, s], True = padding), its model FLOPs
-    and real tokens (Python numbers), and the indices the model and loss need, computed here on the CPU:
+def next_micro_batch(data_iterator, device, cfg, varlen):
+    """The next micro-batch as device tensors, plus `is_pad` (bool [b, s], True = padding), what the log
+    counts, on the host: `lengths` (CPU int64 [b], real tokens per sample), `tokens` (their sum) and `masked`
+    (the masked positions; Python ints), and the indices the model and loss need, computed here on the CPU:
     `packing` (cfg.pack_tokens: the real tokens' positions, minibert.packing; the batch is then trimmed to
-    its longest sample; with --cuda-graph-impl local it is not trimmed, every micro-batch is packed and its
+    its longest sample and packed when worth it, packing_threshold(varlen), varlen = the model's attention
+    reads packed rows; with --cuda-graph-impl local it is not trimmed, every micro-batch is packed and its
     rows are rounded up to a multiple of s with filler rows, so that a few graphs serve every batch),
     `lm_rows` (--sparse-mlm: the rows of the model's flattened hidden states the LM head computes; with
     graphs followed by fillers up to a multiple of s, packing.fill_rows) and `loss_positions` (the flat
@@ -180,14 +177,15 @@ def get_batch(data_iterator, device, cfg):
                          "as in the run being resumed, or start without --load") from None
     is_pad = cpu_batch["padding_mask"] != 1
     is_pad[:, 0] = False  # the [CLS] position is always attended and pooled: a sample is never all padding
-    flops, tokens = batch_flops(cpu_batch, cfg, is_pad)
+    lengths = (~is_pad).sum(dim=1)  # [b] real tokens per sample
+    masked = int(cpu_batch["loss_mask"].sum())
     packing = lm_rows = loss_positions = None
     graphed = cfg.cuda_graph_impl == "local"  # a CUDA graph per shape: keep s, round the rows up
     if cfg.pack_tokens:
         s = is_pad.shape[1] if graphed else trimmed_length(is_pad)
         cpu_batch = {k: v[:, :s] if v.dim() == 2 else v for k, v in cpu_batch.items()}
         is_pad = is_pad[:, :s]
-        if graphed or worth_packing(is_pad, packing_threshold(reads_packed_rows(backend_for(cfg, device)))):
+        if graphed or worth_packing(is_pad, packing_threshold(varlen)):
             packing = make_packing(is_pad, bucket=s if graphed else None)
             loss_positions = packing.index  # one LM row per packed row
     if cfg.sparse_mlm:
@@ -210,7 +208,7 @@ def get_batch(data_iterator, device, cfg):
     elif loss_positions is not None:
         loss_positions = loss_positions.to(device, non_blocking=True)
     batch["loss_positions"] = loss_positions
-    batch["flops"], batch["tokens"] = flops, tokens
+    batch["lengths"], batch["tokens"], batch["masked"] = lengths, int(lengths.sum()), masked
     return batch
 
 

@@ -18,9 +18,12 @@ A blend trains on several preprocessed corpora at once, each taking a fixed shar
 
 This is megatron-core's BlendedMegatronDatasetBuilder + BlendedDataset (the greedy is helpers.cpp's
 build_blending_indices). Each sample is the corpus's sample plus `dataset_id`, the corpus it came from.
-A single prefix (`--data-path P`) is no blend: masked_lm.build_train_valid_test_datasets, unchanged.
-A weighted list of one prefix (`--data-path 1 P`) is a blend of one, as in Megatron: its dataset is
-asked for the 0.5% surplus, so its rows differ from `--data-path P`'s.
+Like megatron-core's builder, which is handed the dataset class, this module knows no BERT sample:
+blend_splits is handed the function that builds one corpus's datasets. masked_lm's
+build_blended_train_valid_test_datasets reads --data-path and hands it BERT's: a single prefix
+(`--data-path P`) is no blend, masked_lm.build_train_valid_test_datasets, unchanged. A weighted list of
+one prefix (`--data-path 1 P`) is a blend of one, as in Megatron: its dataset is asked for the 0.5%
+surplus, so its rows differ from `--data-path P`'s.
 
 What production does that we leave out: Megatron also blends by dataset sizes when no weights are
 given, and takes a separate blend per split (--train-data-path ...); we refuse an unweighted list.
@@ -34,8 +37,7 @@ import numpy as np
 
 from minibert.atomic import atomic_write
 from minibert.errors import UsageError
-from minibert.masked_lm import BertMaskedLMDataset, build_train_valid_test_datasets, open_data_prefix
-from minibert.sample_index import SPLIT_NAMES, split_document_ranges
+from minibert.sample_index import SPLIT_NAMES
 
 SURPLUS = 0.005  # megatron-core's mid_level_dataset_surplus: each corpus builds 0.5% more than its share
 FORM = "--data-path takes one prefix, or weights and prefixes alternating: --data-path 0.3 A 0.7 B"
@@ -139,39 +141,18 @@ class BlendedDataset:
         return {"dataset_id": np.int64(i), **self.datasets[i][int(self.dataset_sample_index[idx])]}
 
 
-def build_blended_train_valid_test_datasets(data_path_list, tokenizer, split, num_samples, seq_length, seed,
-                                            binary_head, masked_lm_prob=0.15, short_seq_prob=0.1,
-                                            cache_dir=None):
-    """(train, valid, test) for --data-path as Megatron parses it: one prefix -> masked_lm's
-    BertMaskedLMDatasets, exactly; weights and prefixes alternating -> a BlendedDataset per split.
-    None for a split of weight 0; num_samples: (train, valid, test), e.g. from split_num_samples()."""
-    settings = dict(seq_length=seq_length, seed=seed, binary_head=binary_head, masked_lm_prob=masked_lm_prob,
-                    short_seq_prob=short_seq_prob, cache_dir=cache_dir)
-    prefixes, weights = parse_data_path(data_path_list)
-    if weights is None:
-        return build_train_valid_test_datasets(prefixes[0], tokenizer, split=split, num_samples=num_samples,
-                                               **settings)
+def blend_splits(prefixes, weights, num_samples, build_corpus, cache_dir=None):
+    """(train, valid, test) BlendedDatasets over the corpora at `prefixes`, in shares `weights`; None for a
+    split of weight 0 (the same --split for every corpus: all None or none). num_samples: the blend's
+    (train, valid, test) counts. build_corpus(prefix, counts) -> that corpus's (train, valid, test)
+    datasets, asked for counts = corpus_num_samples with the surplus (masked_lm passes BERT's builder)."""
     weights = normalize(weights)
     targets = corpus_num_samples(weights, num_samples)             # what the blend takes of each
     asked = corpus_num_samples(weights, num_samples, SURPLUS)       # what each corpus builds
-    per_corpus = []                                                 # [corpus][split]
-    for prefix, counts in zip(prefixes, asked):
-        sentences = open_data_prefix(prefix)
-        ranges = split_document_ranges(split, len(sentences.document_indices) - 1)
-        datasets = []
-        for name, document_range, count in zip(SPLIT_NAMES, ranges, counts):
-            if document_range is None:
-                datasets.append(None)
-                continue
-            try:
-                datasets.append(BertMaskedLMDataset(sentences, tokenizer, num_samples=count,
-                                                    document_range=document_range, **settings))
-            except UsageError as e:
-                raise UsageError(f"{prefix}, {name} split: {e}") from None
-        per_corpus.append(datasets)
+    per_corpus = [build_corpus(prefix, counts) for prefix, counts in zip(prefixes, asked)]  # [corpus][split]
     blends = []
     for s in range(len(SPLIT_NAMES)):
-        if per_corpus[0][s] is None:  # the same --split for every corpus: all None or none
+        if per_corpus[0][s] is None:
             blends.append(None)
             continue
         size = sum(counts[s] for counts in targets)

@@ -28,7 +28,9 @@ disk (fsync) and renamed over the final name (os.replace is atomic on POSIX); th
 synced before the tracker is written. A crash mid-save leaves the old tracker pointing at the old,
 complete checkpoint.
 
-What a resume checks against the flags, and how the state goes back into the run: minibert/resume.py."""
+What a resume checks against the flags, and how the state goes back into the run: minibert/resume.py.
+This module is the file format alone (it builds no model); a whole model from a checkpoint of any layout
+(load_model) and the converter between layouts (`python -m minibert.reshard convert`): minibert/reshard.py."""
 import contextlib
 import dataclasses
 import glob
@@ -415,13 +417,6 @@ def model_args(cfg) -> dict:
     return args
 
 
-def config_from_args(args: dict):
-    """A checkpoint's args -> Config (derived entries such as ffn_size are dropped: they follow)."""
-    from minibert.config import Config
-    names = {f.name for f in dataclasses.fields(Config)}
-    return Config(**{k: v for k, v in args.items() if k in names})
-
-
 def save_weights(checkpoints_dir: str, model, cfg) -> str:
     """SAVE/release/mp_rank_00/model_optim_rng.pt (the model and its args) and the tracker "release":
     what `train.py --load SAVE --finetune` starts from and what fill_mask / convert read."""
@@ -429,60 +424,3 @@ def save_weights(checkpoints_dir: str, model, cfg) -> str:
              "model": {k: v.detach().cpu() for k, v in model.state_dict().items()}, "args": model_args(cfg)}
     return save_checkpoint(checkpoints_dir, RELEASE, state)
 
-
-def load_model(checkpoints_dir: str, **overrides):
-    """The BertModel (fp32, CPU, eval mode) stored in a checkpoint directory (a training checkpoint of any
-    parallel layout, or released weights), with its Config. `overrides` set Config fields, e.g.
-    attention_backend="local"."""
-    from minibert.model import BertModel
-    from minibert.reshard import load_full_state
-    state = load_full_state(checkpoints_dir)  # every rank's file gathered into one model (TP 1 x PP 1)
-    if state is None:
-        raise UsageError(f"{checkpoints_dir} holds no checkpoint (no {TRACKER_FILENAME}): pass a directory "
-                         "written by train.py --save or by python -m minibert.convert from-hf --save")
-    cfg = config_from_args(state["args"])
-    for key, value in overrides.items():
-        setattr(cfg, key, value)
-    model = BertModel(cfg)
-    try:
-        model.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state["model"].items()})
-    except RuntimeError as e:
-        reason = " ".join(str(e).split())[:200]
-        raise UsageError(f"the checkpoint in {checkpoints_dir} does not fit its own args ({reason}): "
-                         "it was not written by this version of minibert")
-    return model.eval(), cfg
-
-
-# ---- the command line: python -m minibert.checkpoint convert ... (the work is in minibert/reshard.py) ----
-def main(argv=None):
-    """Parse `convert --load DIR --save DIR2 --target-...` and call minibert.reshard.convert."""
-    from minibert import reshard
-    from minibert.errors import OneLineArgumentParser, exit_on_usage_error
-    parser = OneLineArgumentParser(prog="python -m minibert.checkpoint", allow_abbrev=False,
-                                   description="Tools for minibert checkpoints.")
-    commands = parser.add_subparsers(dest="command", required=True)
-    convert = commands.add_parser("convert", allow_abbrev=False, help="reshard a checkpoint to another "
-                                  "tensor/pipeline layout (weights, fp32 masters, Adam moments, training state)")
-    convert.add_argument("--load", required=True, metavar="DIR", help="checkpoint directory to read (its latest "
-                         "iteration)")
-    convert.add_argument("--save", required=True, metavar="DIR2", help="new (or empty) directory to write")
-    convert.add_argument("--target-tensor-parallel-size", type=int, required=True, metavar="T",
-                         help="TP of the new layout")
-    convert.add_argument("--target-pipeline-model-parallel-size", type=int, required=True, metavar="P",
-                         help="PP of the new layout")
-    for name in ("num-layers-per-virtual-pipeline-stage", "decoder-first-pipeline-num-layers",
-                 "decoder-last-pipeline-num-layers"):
-        convert.add_argument(f"--target-{name}", type=int, default=None, metavar="N",
-                             help=f"--{name} of the new layout")
-
-    def run():
-        args = vars(parser.parse_args(argv))
-        del args["command"]
-        paths = reshard.convert(**args)
-        print(f"wrote {len(paths)} files under {args['save']}, the tracker last: TP "
-              f"{args['target_tensor_parallel_size']} x PP {args['target_pipeline_model_parallel_size']}")
-    exit_on_usage_error(run)()
-
-
-if __name__ == "__main__":
-    main()

@@ -73,9 +73,10 @@ def encode_with_masks(text: str, tokenizer, max_length: int):
 
 
 def load_checkpoint_model(checkpoint_dir: str):
-    """checkpoint.load_model, with one clear error (and no "starting from scratch" warning, which is for
+    """reshard.load_model, with one clear error (and no "starting from scratch" warning, which is for
     training) when the folder holds no checkpoint."""
-    from minibert.checkpoint import load_model, tracker_path
+    from minibert.checkpoint import tracker_path
+    from minibert.reshard import load_model
     if not os.path.isfile(tracker_path(checkpoint_dir)):
         raise UsageError(f"{checkpoint_dir} holds no checkpoint (no {os.path.basename(tracker_path(checkpoint_dir))}): "
                          "pass a directory written by train.py --save or by python -m minibert.convert from-hf --save")

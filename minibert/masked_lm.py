@@ -27,6 +27,7 @@ if __package__ in (None, ""):  # run as a script from a checkout: make `minibert
 import numpy as np
 
 from minibert.atomic import atomic_write
+from minibert.blended_dataset import blend_splits, parse_data_path
 from minibert.errors import OneLineArgumentParser, UsageError, exit_on_usage_error
 from minibert.indexed_dataset import IndexedDataset
 from minibert.sample_index import (SPLIT_NAMES, cached_sample_index, check_seed,
@@ -220,6 +221,25 @@ def build_train_valid_test_datasets(data_prefix, tokenizer, *, split, num_sample
     return tuple(datasets)
 
 
+def build_blended_train_valid_test_datasets(data_path_list, tokenizer, split, num_samples, seq_length, seed,
+                                            binary_head, masked_lm_prob=0.15, short_seq_prob=0.1,
+                                            cache_dir=None):
+    """(train, valid, test) for --data-path as Megatron parses it: one prefix -> the BertMaskedLMDatasets of
+    build_train_valid_test_datasets, exactly; weights and prefixes alternating -> a BlendedDataset per
+    split (blended_dataset.py) over each corpus's BertMaskedLMDatasets. None for a split of weight 0;
+    num_samples: (train, valid, test), e.g. from split_num_samples()."""
+    settings = dict(split=split, seq_length=seq_length, seed=seed, binary_head=binary_head,
+                    masked_lm_prob=masked_lm_prob, short_seq_prob=short_seq_prob, cache_dir=cache_dir)
+    prefixes, weights = parse_data_path(data_path_list)
+    if weights is None:
+        return build_train_valid_test_datasets(prefixes[0], tokenizer, num_samples=num_samples, **settings)
+
+    def build_corpus(prefix, counts):
+        return build_train_valid_test_datasets(prefix, tokenizer, num_samples=counts, **settings)
+
+    return blend_splits(prefixes, weights, num_samples, build_corpus, cache_dir)
+
+
 def stack_samples(dataset):
     """All rows of a dataset as {key: int64 [rows, seq_length] (scalars such as is_random: [rows])}."""
     samples = [dataset[i] for i in range(len(dataset))]
@@ -276,7 +296,6 @@ def _save_npz(path, arrays):
 
 @exit_on_usage_error
 def main(argv=None):
-    from minibert.blended_dataset import build_blended_train_valid_test_datasets, parse_data_path
     from minibert.tokenizer import build_tokenizer  # tokenizer is only needed by the CLI
     parser = OneLineArgumentParser(
         prog="python -m minibert.masked_lm",

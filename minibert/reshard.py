@@ -1,5 +1,11 @@
 """Resharding a checkpoint: from the layout it was saved in to any other (TP, PP, interleaved chunks).
 
+    python -m minibert.reshard convert --load DIR --save NEW_DIR --target-tensor-parallel-size T \\
+        --target-pipeline-model-parallel-size P
+
+(the interleaved and uneven stages have --target-* flags too: --help lists them). load_model below reads
+a checkpoint of any layout as one process's BertModel, for fill_mask and `convert to-hf`.
+
 A checkpoint holds one file per (tensor, pipeline) rank, each with that rank's shards (docs/formats.md).
 To resume at another layout, the converter never needs to know how the schedule ran, because every
 tensor is stored under its full-model name (layers.7.mlp..., whatever stage held layer 7):
@@ -51,12 +57,15 @@ import torch
 
 from minibert import checkpoint
 from minibert.atomic import atomic_write, atomic_write_bytes, require_new_directory
+from minibert.config import Config
 from minibert.manifest import write_manifest
-from minibert.errors import UsageError
+from minibert.errors import OneLineArgumentParser, UsageError, exit_on_usage_error
+from minibert.model import BertModel
 from minibert.optim import _cut
 from minibert.parallel.rng import TENSOR_PARALLEL_SEED_OFFSET, TensorParallelRNG
 from minibert.parallel.schedules import layer_ranges
 from minibert.parallel.tensor_parallel import PLAN
+from minibert.validate import validate
 
 OPTIMIZER_KINDS = ("exp_avg", "exp_avg_sq", "master")  # per parameter, beside the weights ("model")
 VOCAB_ROWS = ("embedding.word_embeddings.weight", "lm_head.bias")  # padded_vocab_size rows
@@ -161,6 +170,13 @@ def repad_vocab(full: dict, vocab_size: int, padded_vocab_size: int):
 
 
 # ---------------------------------------------------------------- the target layout
+def config_from_args(args: dict) -> Config:
+    """A checkpoint's args -> Config (derived entries such as ffn_size are dropped: they follow).
+    The inverse of checkpoint.model_args."""
+    names = {f.name for f in dataclasses.fields(Config)}
+    return Config(**{k: v for k, v in args.items() if k in names})
+
+
 def target_args(args: dict, tp, pp, vp_layers=None, first=None, last=None) -> dict:
     """The source's args with the target layout (the resumed run checks these: resume.check_layout)."""
     layout = dict(zip(TARGET_FLAGS, (tp, pp, vp_layers, first, last)))
@@ -170,12 +186,11 @@ def target_args(args: dict, tp, pp, vp_layers=None, first=None, last=None) -> di
 def check_target(args: dict):
     """validate() for a world of T x P processes: the target must divide the heads, hidden and FFN
     sizes and the layers. Released weights carry no training flags: placeholders, which no layout check reads."""
-    from minibert.validate import validate
     pp = args["pipeline_model_parallel_size"]
     placeholders = {"micro_batch_size": 1, "global_batch_size": pp, "train_iters": 1, "lr": 0.0}
     # the layout check reads neither the vocab (the bundled one stands in) nor the writing run's directories
-    cfg = checkpoint.config_from_args({**args, **{k: v for k, v in placeholders.items() if args.get(k) is None},
-                                       "vocab_file": None, "save": None, "load": None})
+    cfg = config_from_args({**args, **{k: v for k, v in placeholders.items() if args.get(k) is None},
+                            "vocab_file": None, "save": None, "load": None})
     try:
         validate(cfg, cfg.tensor_model_parallel_size * cfg.pipeline_model_parallel_size, "cpu", warn=None)
     except UsageError as e:
@@ -188,7 +203,6 @@ def check_target(args: dict):
 def stage_shapes(cfg, pp_rank) -> dict:
     """name -> full shape of what pipeline rank `pp_rank` holds: the model chunks build.build_model
     builds there, built here on the meta device (names and shapes, no memory)."""
-    from minibert.model import BertModel
     vp, pp = cfg.virtual_pipeline_size, cfg.pipeline_model_parallel_size
     ranges = layer_ranges(cfg.num_layers, pp, vp, cfg.decoder_first_pipeline_num_layers,
                           cfg.decoder_last_pipeline_num_layers)[pp_rank]
@@ -253,27 +267,48 @@ def target_file(source, full, carried, cfg, tp_rank, pp_rank) -> dict:
     return state
 
 
-# ---------------------------------------------------------------- the two entry points
+# ---------------------------------------------------------------- the entry points
 def load_full_state(directory: str):
     """The whole model of a checkpoint directory of any layout, as one process holds it:
     {"model": the full state dict, "args": its args at TP 1 x PP 1}, or None when there is no tracker.
-    What checkpoint.load_model (and so `python -m minibert.convert to-hf`) reads."""
+    What load_model (and so fill_mask and `python -m minibert.convert to-hf`) reads."""
     if not os.path.isfile(checkpoint.tracker_path(directory)):
         return None
     source = read_source(directory)
     for state in source.files.values():
         state.pop("optimizer", None)  # the weights only
     full = gather(source)
-    cfg = checkpoint.config_from_args(target_args(source.args, 1, 1))
+    cfg = config_from_args(target_args(source.args, 1, 1))
     repad_vocab(full, cfg.vocab_size, cfg.padded_vocab_size)
     check_shapes(full, cfg, directory)
     return {"model": full["model"], "args": checkpoint.model_args(cfg)}
 
 
+def load_model(checkpoints_dir: str, **overrides):
+    """The BertModel (fp32, CPU, eval mode) stored in a checkpoint directory (a training checkpoint of any
+    parallel layout, or released weights), with its Config. `overrides` set Config fields, e.g.
+    attention_backend="local"."""
+    state = load_full_state(checkpoints_dir)  # every rank's file gathered into one model (TP 1 x PP 1)
+    if state is None:
+        raise UsageError(f"{checkpoints_dir} holds no checkpoint (no {checkpoint.TRACKER_FILENAME}): pass a "
+                         "directory written by train.py --save or by python -m minibert.convert from-hf --save")
+    cfg = config_from_args(state["args"])
+    for key, value in overrides.items():
+        setattr(cfg, key, value)
+    model = BertModel(cfg)
+    try:
+        model.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in state["model"].items()})
+    except RuntimeError as e:
+        reason = " ".join(str(e).split())[:200]
+        raise UsageError(f"the checkpoint in {checkpoints_dir} does not fit its own args ({reason}): "
+                         "it was not written by this version of minibert")
+    return model.eval(), cfg
+
+
 def convert(load, save, target_tensor_parallel_size, target_pipeline_model_parallel_size,
             target_num_layers_per_virtual_pipeline_stage=None, target_decoder_first_pipeline_num_layers=None,
             target_decoder_last_pipeline_num_layers=None, warn=None) -> list:
-    """`python -m minibert.checkpoint convert`: the latest checkpoint in `load`, resharded into the new
+    """`python -m minibert.reshard convert`: the latest checkpoint in `load`, resharded into the new
     directory `save`. Every check runs before the first write; the files are written atomically and the
     tracker last. Returns the paths written."""
     warn = warn or (lambda m: print(f"warning: {m}", file=sys.stderr, flush=True))
@@ -283,7 +318,7 @@ def convert(load, save, target_tensor_parallel_size, target_pipeline_model_paral
                        target_num_layers_per_virtual_pipeline_stage, target_decoder_first_pipeline_num_layers,
                        target_decoder_last_pipeline_num_layers)
     check_target(args)
-    cfg = checkpoint.config_from_args(args)
+    cfg = config_from_args(args)
     full = gather(source)
     repad_vocab(full, cfg.vocab_size, cfg.padded_vocab_size)
     check_shapes(full, cfg, load)
@@ -307,3 +342,34 @@ def convert(load, save, target_tensor_parallel_size, target_pipeline_model_paral
             paths.append(atomic_write_bytes(os.path.join(save, "vocab.txt"), [f.read()]))
     paths.append(atomic_write(checkpoint.tracker_path(save), lambda f: f.write(f"{source.iteration}".encode())))
     return paths
+
+
+# ---------------------------------------------------------------- the command line
+@exit_on_usage_error
+def main(argv=None):
+    """`python -m minibert.reshard convert --load DIR --save DIR2 --target-...`: convert() above."""
+    parser = OneLineArgumentParser(prog="python -m minibert.reshard", allow_abbrev=False,
+                                   description="Reshard minibert checkpoints between parallel layouts.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    command = commands.add_parser("convert", allow_abbrev=False, help="reshard a checkpoint to another "
+                                  "tensor/pipeline layout (weights, fp32 masters, Adam moments, training state)")
+    command.add_argument("--load", required=True, metavar="DIR", help="checkpoint directory to read (its latest "
+                         "iteration)")
+    command.add_argument("--save", required=True, metavar="DIR2", help="new (or empty) directory to write")
+    command.add_argument("--target-tensor-parallel-size", type=int, required=True, metavar="T",
+                         help="TP of the new layout")
+    command.add_argument("--target-pipeline-model-parallel-size", type=int, required=True, metavar="P",
+                         help="PP of the new layout")
+    for name in ("num-layers-per-virtual-pipeline-stage", "decoder-first-pipeline-num-layers",
+                 "decoder-last-pipeline-num-layers"):
+        command.add_argument(f"--target-{name}", type=int, default=None, metavar="N",
+                             help=f"--{name} of the new layout")
+    args = vars(parser.parse_args(argv))
+    del args["command"]
+    paths = convert(**args)
+    print(f"wrote {len(paths)} files under {args['save']}, the tracker last: TP "
+          f"{args['target_tensor_parallel_size']} x PP {args['target_pipeline_model_parallel_size']}")
+
+
+if __name__ == "__main__":
+    main()

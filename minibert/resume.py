@@ -48,7 +48,7 @@ def set_rng_state(state: dict):
 
 
 # ---- what must agree ----
-CONVERT_HINT = ("convert it with python -m minibert.checkpoint convert --load DIR --save NEW_DIR "
+CONVERT_HINT = ("convert it with python -m minibert.reshard convert --load DIR --save NEW_DIR "
                 "--target-tensor-parallel-size T --target-pipeline-model-parallel-size P, or resume with the "
                 "checkpoint's layout")
 LAYOUT_ARGS = ["tensor_model_parallel_size", "pipeline_model_parallel_size",

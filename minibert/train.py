@@ -36,8 +36,9 @@ if __package__ in (None, ""):  # run as a script from a checkout: make `minibert
 import torch
 
 from minibert import checkpoint, resume
+from minibert.attention import backend_for, reads_packed_rows
 from minibert.batches import (BATCH_KEYS, MicroBatchSampler, PrefetchingBatches, build_data_iterator,  # noqa: F401
-                              build_datasets, data_stream, get_batch)
+                              build_datasets, data_stream, next_micro_batch)
 from minibert.build import (as_chunks, as_state, build_model_and_optimizer, build_pipeline, set_random_seed,
                             tied_embedding)
 from minibert.config import parse_args
@@ -47,9 +48,10 @@ from minibert.model import pretraining_loss
 from minibert.parallel import faults
 from minibert.parallel.data_parallel import finalize_model_grads
 from minibert.parallel.pipeline import forward_backward_no_pipelining, forward_backward_pipelining, forward_pipelining
-from minibert.parallel.state import ParallelState
+from minibert.parallel.state import Launch, ParallelState
 from minibert.profiling import Profiler
-from minibert.training_log import COUNTS, IntervalStats, TrainingLogger, accuracies, reduce_over_data_parallel
+from minibert.training_log import (COUNTS, IntervalStats, TrainingLogger, accuracies, batch_flops,
+                                   reduce_over_data_parallel)
 from minibert.validate import validate
 
 
@@ -59,22 +61,23 @@ def warn(message):
 
 # ---------------------------------------------------------------- setup
 def setup(cfg, device=None) -> ParallelState:
-    """Validate the flags for this machine and world (every rank, before any collective: a bad layout
-    exits on every rank instead of hanging), then build the rank grid and pick the device."""
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))  # set by torchrun
-    rank = int(os.environ.get("RANK", "0"))
+    """Read torchrun's variables (once), validate the flags for this machine and world (every rank, before
+    any collective: a bad layout exits on every rank instead of hanging), then build the rank grid of the
+    validated sizes and pick the device."""
+    launch = Launch.from_environment()  # no torchrun: a world of one
     device_type = torch.device(device).type if device is not None else (
         "cuda" if torch.cuda.is_available() else "cpu")
     if cfg.use_checkpoint_args and cfg.load:
         use_checkpoint_args(cfg)
-    validate(cfg, world_size, device_type, warn=warn if rank == 0 else None)
+    validate(cfg, launch.world_size, device_type, warn=warn if launch.rank == 0 else None)
     if cfg.data_path is None:
         raise UsageError("--data-path is required: the prefix written by minibert/preprocess.py, "
                          "e.g. corpus_text_sentence")
-    if device_type == "cpu" and world_size > 1:
+    if device_type == "cpu" and launch.world_size > 1:
         torch.set_num_threads(1)  # 2 cores, N processes: oversubscribed OpenMP threads spin
-    state = ParallelState.from_environment(cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size,
-                                           cfg.distributed_backend, cfg.distributed_timeout_minutes, device)
+    state = ParallelState.create(launch, tp=cfg.tensor_model_parallel_size, dp=cfg.data_parallel_size,
+                                 pp=cfg.pipeline_model_parallel_size, backend=cfg.distributed_backend,
+                                 timeout_minutes=cfg.distributed_timeout_minutes, device=device)
     if state.device.type == "cuda":
         torch.cuda.set_device(state.device)
         torch.backends.cuda.matmul.allow_tf32 = True  # fp32 matmuls on tensor cores (TF32: 10-bit mantissa)
@@ -123,6 +126,14 @@ class StepResult:
     tokens: int = 0         # real (non-padding) tokens of this rank's micro-batches
     counts: dict = field(default_factory=dict)  # accuracy counts (training_log.COUNTS) -> 0-d int64 device
                                                 # tensor, summed over this rank's micro-batches
+
+
+def get_batch(data_iterator, device, cfg):
+    """The next micro-batch on the device (batches.next_micro_batch: trimmed, packed when worth it for the
+    model's attention, which reads packed rows or not), with its model FLOPs (training_log.batch_flops)."""
+    batch = next_micro_batch(data_iterator, device, cfg, varlen=reads_packed_rows(backend_for(cfg, device)))
+    batch["flops"] = batch_flops(cfg, batch["lengths"], batch["masked"])
+    return batch
 
 
 def fetch_batches(data_iterator, cfg, state):

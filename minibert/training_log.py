@@ -54,6 +54,14 @@ def model_flops(cfg, lengths, head_positions) -> float:
             + 6 * (h * vocab + h * h) * head_positions)
 
 
+def batch_flops(cfg, lengths, masked) -> float:
+    """Model FLOPs of one micro-batch from what get_batch counted on the host: `lengths` (an int tensor [b],
+    real tokens per sample) and `masked` (its masked positions, which alone reach the LM head with
+    --sparse-mlm; otherwise every real token does)."""
+    lengths = lengths.to(torch.float64)
+    return model_flops(cfg, lengths, float(masked) if cfg.sparse_mlm else float(lengths.sum()))
+
+
 # accuracy -> (right predictions, predictions): the counts pretraining_loss(counts=True) returns
 ACCURACIES = {"lm acc": ("lm correct", "lm masked"), "sop acc": ("sop correct", "sop samples")}
 COUNTS = tuple(name for pair in ACCURACIES.values() for name in pair)

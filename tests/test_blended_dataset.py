@@ -11,10 +11,10 @@ import pytest
 import torch.distributed as dist
 from test_masked_lm import KEYS, MegatronSideTokenizer, write_documents
 
-from minibert.blended_dataset import (BlendedDataset, blending_indices, build_blended_train_valid_test_datasets,
-                                      corpus_num_samples, normalize, parse_data_path)
+from minibert.blended_dataset import BlendedDataset, blending_indices, corpus_num_samples, normalize, parse_data_path
 from minibert.errors import UsageError
-from minibert.masked_lm import BertMaskedLMDataset, build_train_valid_test_datasets
+from minibert.masked_lm import (BertMaskedLMDataset, build_blended_train_valid_test_datasets,
+                                build_train_valid_test_datasets)
 from minibert.sentence_split import split_sentences
 from minibert.tokenizer import BertWordPieceTokenizer
 

@@ -178,11 +178,11 @@ def test_what_a_graph_records_is_the_eager_schedules_micro_batch(tiny_data):
     grad behind. shape_key tells the bucketed micro-batches' shapes apart."""
     import dataclasses
     import functools
-    from minibert.batches import build_data_iterator, build_datasets, get_batch
+    from minibert.batches import build_data_iterator, build_datasets
     from minibert.build import build_model_and_optimizer
     from minibert.cuda_graphs import forward_backward, replayed_metrics, shape_key
     from minibert.parallel.pipeline import forward_backward_no_pipelining
-    from minibert.train import forward_step
+    from minibert.train import forward_step, get_batch
     cfg = tiny_trainer_config(tiny_data)
     cfg = dataclasses.replace(cfg, cuda_graph_impl="local")  # the graph's batch layout, run on the CPU
     _, (train_ds, _, _) = build_datasets(cfg, log=lambda line: None)
@@ -224,10 +224,10 @@ def test_the_warm_up_leaves_fused_main_grads_as_they_were(tiny_data):
     the warm-up's accumulate=False cannot keep its gradients out; main_grads_kept puts the buffers back.
     On the CPU (the fused path runs there too): a micro-batch's backward changes the main grads, the same
     backward inside main_grads_kept leaves them bit-identical."""
-    from minibert.batches import build_data_iterator, build_datasets, get_batch
+    from minibert.batches import build_data_iterator, build_datasets
     from minibert.build import build_model_and_optimizer
     from minibert.cuda_graphs import forward_backward, main_grads_kept
-    from minibert.train import forward_step
+    from minibert.train import forward_step, get_batch
     cfg = tiny_trainer_config(tiny_data, gradient_accumulation_fusion=True)
     _, (train_ds, _, _) = build_datasets(cfg, log=lambda line: None)
     device = torch.device("cpu")

@@ -9,12 +9,13 @@ import sys
 import pytest
 import torch
 
-from minibert.checkpoint import load_model, save_weights
+from minibert.checkpoint import save_weights
 from minibert.config import Config
 from minibert.convert import main as convert_main
 from minibert.fill_mask import encode_with_masks, fill_mask
 from minibert.fill_mask import main as fill_mask_main
 from minibert.model import BertModel
+from minibert.reshard import load_model
 from minibert.tokenizer import BertWordPieceTokenizer
 from tests import launch
 

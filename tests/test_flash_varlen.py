@@ -8,13 +8,13 @@ import pytest
 import torch
 
 import minibert.kernels.flash_attention_varlen as varlen_module
-from minibert.batches import get_batch
 from minibert.config import Config
 from minibert.errors import UsageError
 from minibert.kernels.flash_attention import attention_reference
 from minibert.kernels.flash_attention_packed import flash_attention_qkv
 from minibert.kernels.flash_attention_varlen import flash_attention_varlen
 from minibert.packing import PACK_BELOW, make_packing
+from minibert.train import get_batch
 from tests.test_packing import packed_and_padded_runs
 
 

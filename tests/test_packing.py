@@ -6,10 +6,10 @@ import dataclasses
 import pytest
 import torch
 
-from minibert.batches import build_data_iterator, build_datasets, get_batch
+from minibert.batches import build_data_iterator, build_datasets
 from minibert.config import Config
 from minibert.packing import gather_rows, make_packing, scatter_rows, trimmed_length
-from minibert.train import build_model_and_optimizer, forward_step
+from minibert.train import build_model_and_optimizer, forward_step, get_batch
 from minibert.validate import validate
 
 

@@ -1,4 +1,4 @@
-"""Resharding checkpoints (minibert/reshard.py, `python -m minibert.checkpoint convert`) on CPU.
+"""Resharding checkpoints (minibert/reshard.py, `python -m minibert.reshard convert`) on CPU.
 
 All runs are the layout configuration of tests/conftest.py (fp32, dropout off). The one-process run of 8
 iterations saves at 4 and 8: its iteration 4 is the ground truth every converted source is compared with,
@@ -102,7 +102,7 @@ def test_tp2_pp2_to_one_process_and_back_resumes_the_unbroken_run(tiny_data, tmp
                                                                    layout_reference):
     source = saved_run(tiny_data, tmp_path_factory, "tp2-pp2")
     one = tmp_path_factory.mktemp("one") / "ckpt"
-    command = [sys.executable, "-m", "minibert.checkpoint", "convert", "--load", source, "--save", one,
+    command = [sys.executable, "-m", "minibert.reshard", "convert", "--load", source, "--save", one,
                "--target-tensor-parallel-size", "1", "--target-pipeline-model-parallel-size", "1"]
     result = subprocess.run([str(c) for c in command], capture_output=True, text=True, env=launch.env(),
                             cwd=launch.ROOT, timeout=120)
@@ -213,7 +213,7 @@ def test_vocab_is_repadded_for_the_target(tiny_data, tmp_path_factory, truth, tm
     for name, entry in original["optimizer"]["params"].items():
         assert set(entry) == {"range", "exp_avg", "exp_avg_sq", "master"}
         assert all(torch.equal(back["optimizer"]["params"][name][k], entry[k]) for k in entry if k != "range")
-    model, cfg = checkpoint.load_model(str(tmp_path / "tp8"))  # load_model gathers the 8 shards
+    model, cfg = reshard.load_model(str(tmp_path / "tp8"))  # load_model gathers the 8 shards
     assert cfg.tensor_model_parallel_size == 1 and model.embedding.word_embeddings.weight.shape[0] == 1536
     assert all(torch.equal(model.state_dict()[n], original["model"][n].float()) for n in original["model"])
 
@@ -224,15 +224,15 @@ def test_vocab_is_repadded_for_the_target(tiny_data, tmp_path_factory, truth, tm
     assert shards[1]["sharding"]["layers.0.self_attention.dense.weight"] == [1, 4]  # row-parallel: columns
     assert shards[1]["sharding"]["layers.0.mlp.dense_h_to_4h.bias"] == [0, 4]       # column-parallel
     assert "layers.0.self_attention.dense.bias" not in shards[1]["sharding"]        # replicated
-    model, _ = checkpoint.load_model(str(tp4))
-    unsharded, _ = checkpoint.load_model(str(truth))
+    model, _ = reshard.load_model(str(tp4))
+    unsharded, _ = reshard.load_model(str(truth))
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), unsharded.state_dict().values()))
 
 
 def test_load_model_and_to_hf_read_a_sharded_directory(tiny_data, tmp_path_factory, truth, tmp_path):
     source = saved_run(tiny_data, tmp_path_factory, "tp2-pp2")
-    model, cfg = checkpoint.load_model(str(source))
-    unsharded, _ = checkpoint.load_model(str(truth))
+    model, cfg = reshard.load_model(str(source))
+    unsharded, _ = reshard.load_model(str(truth))
     assert (cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size) == (1, 1)
     state, want = model.state_dict(), unsharded.state_dict()
     assert state.keys() == want.keys()
@@ -283,8 +283,8 @@ def test_bad_inputs_exit_2_with_one_line(tiny_data, tmp_path_factory, truth, tmp
     save = truth if case == "not-empty" else tmp_path / "new"
     capsys.readouterr()
     with pytest.raises(SystemExit) as exit_info:
-        checkpoint.main(["convert", "--load", str(load), "--save", str(save), "--target-tensor-parallel-size",
-                         str(target[0]), "--target-pipeline-model-parallel-size", str(target[1])])
+        reshard.main(["convert", "--load", str(load), "--save", str(save), "--target-tensor-parallel-size",
+                      str(target[0]), "--target-pipeline-model-parallel-size", str(target[1])])
     errors = capsys.readouterr().err.strip().splitlines()
     assert exit_info.value.code == 2 and len(errors) == 1 and errors[0].startswith("error: "), errors
     assert message in errors[0], errors[0]

@@ -14,8 +14,7 @@ from minibert import checkpoint
 from minibert.config import Config
 from minibert.train import (MicroBatchSampler, build_data_iterator, build_datasets, build_model_and_optimizer,
                             main, train, train_step)
-from minibert.batches import batch_flops
-from minibert.training_log import IntervalStats, TrainingLogger
+from minibert.training_log import IntervalStats, TrainingLogger, batch_flops
 from minibert.validate import validate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -250,15 +249,16 @@ def test_micro_batch_order_follows_formats_md():
 def test_batch_flops_is_perf_md_formula():
     cfg = Config(num_layers=3, hidden_size=64, num_attention_heads=4, seq_length=16, vocab_size=1000)
     l, h, s, V = 3, 64, 16, cfg.padded_vocab_size
-    full = {"padding_mask": torch.ones(2, s, dtype=torch.long), "loss_mask": torch.zeros(2, s, dtype=torch.long)}
-    flops, tokens = batch_flops(full, cfg, full["padding_mask"] == 0)
+    flops = batch_flops(cfg, torch.tensor([s, s]), masked=3)
     per_token = 72 * l * h * h + 12 * l * s * h + 6 * (h * V + h * h)  # docs/measuring.md, no padding, r = 1
-    assert tokens == 2 * s and flops == pytest.approx(2 * s * per_token, rel=1e-12)
-    padded = {"padding_mask": full["padding_mask"].clone(), "loss_mask": full["loss_mask"]}
-    padded["padding_mask"][1, 10:] = 0  # sample 1 has 10 real tokens
-    flops, tokens = batch_flops(padded, cfg, padded["padding_mask"] == 0)
+    assert flops == pytest.approx(2 * s * per_token, rel=1e-12)
+    flops = batch_flops(cfg, torch.tensor([s, 10]), masked=3)  # sample 1 has 10 real tokens
     expected = (72 * l * h * h + 6 * (h * V + h * h)) * (s + 10) + 12 * l * h * (s * s + 10 * 10)
-    assert tokens == s + 10 and flops == pytest.approx(expected, rel=1e-12)
+    assert flops == pytest.approx(expected, rel=1e-12)
+    sparse = Config(num_layers=3, hidden_size=64, num_attention_heads=4, seq_length=16, vocab_size=1000,
+                    sparse_mlm=True)  # only the 3 masked positions reach the LM head
+    expected = 72 * l * h * h * (s + 10) + 12 * l * h * (s * s + 10 * 10) + 6 * (h * V + h * h) * 3
+    assert batch_flops(sparse, torch.tensor([s, 10]), masked=3) == pytest.approx(expected, rel=1e-12)
 
 
 def test_the_data_loader_gives_the_same_batches_with_workers(data):

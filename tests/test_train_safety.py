@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 import torch
 
-from minibert import atomic, checkpoint
-from minibert.batches import get_batch
+from minibert import atomic, checkpoint, reshard
 from minibert.config import Config
 from minibert.masked_lm import build_train_valid_test_datasets
 from minibert.preprocess import preprocess
 from minibert.tokenizer import BertWordPieceTokenizer
+from minibert.train import get_batch
 from minibert.train import main as train_main
 from tests import launch
 
@@ -130,7 +130,7 @@ def test_finetune_and_released_weights_start_at_iteration_0(tiny_data, two_itera
     assert finetune.returncode == 0, finetune.stderr
     assert "at iteration 0" in finetune.stdout and "iteration        1/       2" in finetune.stdout
     # weights only ("release", as written by minibert.convert from-hf), shape taken from the checkpoint
-    model, cfg = checkpoint.load_model(str(two_iterations))
+    model, cfg = reshard.load_model(str(two_iterations))
     release = tmp_path / "release"
     checkpoint.save_weights(str(release), model, cfg)
     no_shape = [a for a in args(tiny_data, "--train-iters", 2, "--load", release, "--use-checkpoint-args")]

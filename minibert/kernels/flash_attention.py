@@ -1,7 +1,8 @@
 """Flash attention in Triton: attention without ever writing the s x s matrix, with key padding and dropout.
 
-This file is the forward pass; the backward lives next door in flash_attention_bwd.py, and the block sizes both
-run with (tiles) in flash_tiles.py.
+This file is the forward pass and the autograd Function; the backward lives next door in flash_attention_bwd.py,
+what both passes share (the layouts, which block a program owns, the key mask) in flash_common.py, and the block
+sizes both run with (tiles) in flash_tiles.py.
 
 1. Why: memory traffic
 ----------------------
@@ -63,7 +64,6 @@ unpadded "varlen" batches (cu_seqlens) that skip padding without masking; these 
 with VARLEN=True (flash_attention_varlen.py explains the layout).
 """
 import math
-from typing import NamedTuple
 
 import torch
 import triton
@@ -73,15 +73,13 @@ from minibert.errors import UsageError
 from minibert.kernels import interpreting
 from minibert.kernels.dropout import (_dropout_keep, _dropout_keys, check_counter_range, dropout_threshold,
                                       effective_dropout_p, kernel_seed, seed_in_memory)
+from minibert.kernels.flash_attention_bwd import attention_backward
+from minibert.kernels.flash_common import (LOG2_E, _MASKED, _clean_length, _head_rows, _key_bias, _program_block,
+                                           _row_end, grid_layout, strides)
 from minibert.kernels.flash_tiles import head_dim_block, pick_tiles, register_cap
 
-LOG2_E = math.log2(math.e)  # exp(x) = exp2(x * LOG2_E): the scale absorbs it
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 128  # the d block lives in registers; 128 is what FA2 and our tiles are sized for
-# The padding bias, about -1.3e30: a power of two, so a score that carries it times any scale is exact (the
-# forward's fused s * scale - max must give exactly 0 for a block of padding seen before any real key).
-MASKED = -2.0 ** 100
-_MASKED = tl.constexpr(MASKED)
 
 
 def attention_reference(q, k, v, padding_mask=None, scale=None, keep_mask=None, dropout_p=0.0):
@@ -101,83 +99,8 @@ def attention_reference(q, k, v, padding_mask=None, scale=None, keep_mask=None, 
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Shared pieces (the backward imports these: both passes must mask and drop exactly the same elements)
+# The padding bias and lengths: made once per call, read by both passes (flash_common.py)
 # ---------------------------------------------------------------------------------------------------------
-@triton.jit
-def _key_length(KV_LEN, batch, seq_len, HAS_PAD: tl.constexpr):
-    """1 + index of the last real key of this batch row (0 if none); everything past it is skipped."""
-    if HAS_PAD:
-        return tl.load(KV_LEN + 2 * batch)
-    return seq_len
-
-
-@triton.jit
-def _clean_length(KV_LEN, batch, kv_len, HAS_PAD: tl.constexpr):
-    """How many leading keys of this batch row are all real: key blocks inside them need no bias. With a
-    padding mask, the index of the first padded key (prepare_padding stores it next to kv_len; never past
-    it, since key kv_len - 1 is the last real one); without one (no mask, or the varlen layout) every key
-    below kv_len is real."""
-    if HAS_PAD:
-        return tl.load(KV_LEN + 2 * batch + 1)
-    return kv_len
-
-
-@triton.jit
-def _program_block(KV_LEN, n_heads, seq_len, BLOCK: tl.constexpr, HAS_PAD: tl.constexpr, VARLEN: tl.constexpr):
-    """Which block this program owns -> (bh, start, batch, head, kv_len, token0). Program ids run the blocks
-    of one (batch, head) fastest, then heads, then batch, so neighbouring programs share K, V (or Q, dO) in
-    L2. All three kernels use this order; BLOCK is the size of the block a program owns.
-
-    token0 is the row where this sample's tokens start: 0 in the padded layout [b, s, ...], where the batch
-    stride finds the sample; in the varlen layout (VARLEN, packed rows [n, ...], see
-    flash_attention_varlen.py) KV_LEN holds cu_seqlens, the sample's rows are cu_seqlens[batch] ..
-    cu_seqlens[batch + 1] - 1, and the batch stride is 0."""
-    n_blocks = tl.cdiv(seq_len, BLOCK)
-    bh = tl.program_id(0) // n_blocks                     # = batch * n_heads + head
-    start = (tl.program_id(0) % n_blocks) * BLOCK
-    batch = bh // n_heads
-    head = bh % n_heads
-    if VARLEN:
-        token0 = tl.load(KV_LEN + batch).to(tl.int64)
-        kv_len = tl.load(KV_LEN + batch + 1) - tl.load(KV_LEN + batch)
-    else:
-        token0 = batch.to(tl.int64) * 0
-        kv_len = _key_length(KV_LEN, batch, seq_len, HAS_PAD)
-    return bh, start, batch, head, kv_len, token0
-
-
-@triton.jit
-def _row_end(kv_len, seq_len, VARLEN: tl.constexpr):
-    """Rows (queries or keys) at or past this are never read or written: past s in the padded layout
-    (padded rows are written: zeros or finite values), past the sample's own length in the varlen layout,
-    where the next rows belong to the next sample."""
-    if VARLEN:
-        return kv_len
-    return seq_len
-
-
-@triton.jit
-def _sample_start(batch, token0, stride_b, stride_s):
-    """Offset (int64) of row 0 of this sample: batch * stride_b (padded) or token0 * stride_s (varlen)."""
-    return batch.to(tl.int64) * stride_b + token0 * stride_s
-
-
-@triton.jit
-def _head_rows(X, batch, token0, head, rows, offs_d, stride_b, stride_h, stride_s):
-    """Pointers [len(rows), D_BLOCK] to the given rows of one head of one sample (padded or varlen)."""
-    return (X + _sample_start(batch, token0, stride_b, stride_s) + head * stride_h
-            + rows[:, None] * stride_s + offs_d[None, :])
-
-
-@triton.jit
-def _key_bias(BIAS, batch, seq_len, cols, kv_len, HAS_PAD: tl.constexpr):
-    """[BLOCK_N] additive bias: 0 for a real key, MASKED (-2^100) for padding or a column past kv_len.
-    (float32, not the bool mask: 4-byte loads are what Triton's pipeliner prefetches.)"""
-    if HAS_PAD:
-        return tl.load(BIAS + batch * seq_len + cols, mask=cols < kv_len, other=_MASKED)
-    return tl.where(cols < kv_len, 0.0, _MASKED)
-
-
 @triton.jit
 def _padding_kernel(PAD, BIAS, KV_LEN, seq_len, BLOCK: tl.constexpr):
     """Per batch row: BIAS float32 [s] (0 real, MASKED padding) and KV_LEN [2]: 1 + index of the last real
@@ -310,31 +233,6 @@ def _last_dim_contiguous(t):
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-class Varlen(NamedTuple):
-    """The varlen layout (flash_attention_varlen.py): q, k, v and out are [n, heads, d] views of packed
-    rows, sample i's rows are cu_seqlens[i] .. cu_seqlens[i + 1] - 1 (int32 [batch + 1] on the device),
-    and max_len >= every sample's length is the s the grid, lse and the dropout counters are laid out for."""
-    cu_seqlens: torch.Tensor
-    batch: int
-    max_len: int
-
-
-def grid_layout(q, varlen=None):
-    """(batch, heads, s) the kernels' grid and their lse / delta rows run over."""
-    if varlen is None:
-        b, h, s, _ = q.shape                              # [b, heads, s, d]
-        return b, h, s
-    return varlen.batch, q.shape[1], varlen.max_len       # [n, heads, d]
-
-
-def strides(t, varlen=None):
-    """(batch, head, row) strides: of a [b, heads, s, d] view, or of a varlen [n, heads, d] one, which has
-    no batch stride (the kernels find a sample's first row through cu_seqlens)."""
-    if varlen is None:
-        return t.stride(0), t.stride(1), t.stride(2)
-    return 0, t.stride(1), t.stride(0)
-
-
 def attention_forward(q, k, v, bias, kv_len, scale, dropout_p, seed, tile, out=None, varlen=None):
     """Launch the forward. bias, kv_len: from prepare_padding, or None for no padding (or varlen).
     Returns out [b, heads, s, d] (stored as [b, s, heads, d], so merging heads is a free view) and
@@ -376,7 +274,6 @@ class FlashAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        from minibert.kernels.flash_attention_bwd import attention_backward   # next door; reuses the helpers
         q, k, v, out, lse, bias, kv_len = ctx.saved_tensors
         dq, dk, dv = attention_backward(_last_dim_contiguous(grad_out), q, k, v, out, lse, bias, kv_len,
                                         ctx.scale, ctx.dropout_p, ctx.seed, ctx.tiles)

@@ -13,8 +13,8 @@ gradient arrives in the Linear's own layout, no stack, no copy. Same kernels, sa
 import torch
 
 from minibert.kernels.dropout import kernel_seed
-from minibert.kernels.flash_attention import (LOG2_E, attention_forward, check_inputs,  # noqa: F401
-                                              prepare_padding, softmax_scale)
+from minibert.kernels.flash_attention import attention_forward, check_inputs, prepare_padding, softmax_scale
+from minibert.kernels.flash_attention_bwd import backward_into
 from minibert.kernels.flash_tiles import pick_tiles
 
 
@@ -36,7 +36,6 @@ class FlashAttentionQKV(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        from minibert.kernels.flash_attention_bwd import backward_into
         qkv, out, lse, bias, kv_len = ctx.saved_tensors
         q, k, v = _views(qkv)
         dqkv = torch.empty_like(qkv)  # [b, s, heads, 3, d]: the kernels write into its three views

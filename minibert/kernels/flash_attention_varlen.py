@@ -13,7 +13,7 @@ cu_seqlens ("cumulative sequence lengths", FlashAttention's name), int32 [b + 1]
 
 A program still owns one (sample, head, block of rows) as in flash_attention.py; it finds its sample's
 first row as cu[i] instead of i * (batch stride), and its length, cu[i+1] - cu[i], plays the part of the
-padded kernels' kv_len (1 + last real key). Rows at or past that length are never loaded or stored: they
+padded kernels' kv_len (1 + last real key): flash_common.py's helpers read either layout. Rows at or past that length are never loaded or stored: they
 belong to the next sample. The three kernels are the padded ones, compiled with VARLEN=True.
 
 The grid, the saved log-sum-exp and the dropout counters are laid out for max_len, the micro-batch's
@@ -31,7 +31,9 @@ import torch
 from minibert.errors import UsageError
 from minibert.kernels import interpreting
 from minibert.kernels.dropout import kernel_seed
-from minibert.kernels.flash_attention import MAX_HEAD_DIM, SUPPORTED_DTYPES, Varlen, attention_forward, softmax_scale
+from minibert.kernels.flash_attention import MAX_HEAD_DIM, SUPPORTED_DTYPES, attention_forward, softmax_scale
+from minibert.kernels.flash_attention_bwd import backward_into
+from minibert.kernels.flash_common import Varlen
 from minibert.kernels.flash_tiles import pick_tiles
 
 
@@ -51,7 +53,6 @@ class FlashAttentionVarlen(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        from minibert.kernels.flash_attention_bwd import backward_into
         qkv, out, lse = ctx.saved_tensors
         q, k, v = qkv.unbind(2)
         dqkv = torch.empty_like(qkv)  # [n, heads, 3, d]: the kernels write into its three views

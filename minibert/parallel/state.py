@@ -20,10 +20,13 @@ World 16, TP 2, PP 4 (so DP 2), `python -m minibert.parallel.state --world-size 
 The embedding group joins the first and last stage of each (dp, tp) position: with pipelining the word
 embedding (first stage) and the tied LM head (last stage) are two copies whose gradients are summed.
 
-`ParallelState` holds the sizes, this rank's coordinates and its process groups. It is built once in
-train.py and passed to whatever needs it: no module-level groups, no globals. A group of one process is
-stored as None, and every collective here is a no-op on None, so a one-process run is simply a grid of
-size 1 that never initialises torch.distributed: one code path for every world size.
+`Launch` is what torchrun tells each process (WORLD_SIZE, RANK, LOCAL_RANK), read from the environment
+in one place (Launch.from_environment). `ParallelState` holds the sizes, this rank's coordinates and its
+process groups. train.setup reads the Launch once, validates the flags for its world size (which checks
+TP x PP against it and derives DP), then builds the state from those sizes, and passes it to whatever
+needs it: no module-level groups, no globals. A group of one process is stored as None, and every
+collective here is a no-op on None, so a one-process run is simply a grid of size 1 that never
+initialises torch.distributed: one code path for every world size.
 
 What production does: Megatron's parallel_state.py keeps ~60 module-level groups (context and expert
 parallelism, hierarchical groups, gloo twins for CPU objects); we keep the five BERT training needs."""
@@ -46,7 +49,8 @@ GROUP_KINDS = ("tensor", "data", "pipeline", "model", "embedding")
 
 
 def check_sizes(world_size: int, tp: int, pp: int) -> int:
-    """-> DP; raises UsageError naming the fix when the world does not split into TP x PP."""
+    """-> DP; raises UsageError naming the fix when the world does not split into TP x PP. Run once on
+    sizes nobody has checked yet (validate, for the trainer's flags); what follows takes TP, DP, PP."""
     for flag, value in (("--tensor-model-parallel-size", tp), ("--pipeline-model-parallel-size", pp),
                         ("world size", world_size)):
         if value < 1:
@@ -59,10 +63,10 @@ def check_sizes(world_size: int, tp: int, pp: int) -> int:
     return world_size // (tp * pp)
 
 
-def rank_grid(world_size: int, tp: int, pp: int) -> dict:
-    """kind -> list of groups (lists of global ranks), Megatron's order (see the module docstring)."""
-    dp = check_sizes(world_size, tp, pp)
-    grid = torch.arange(world_size).view(pp, dp, tp)  # grid[pp_rank, dp_rank, tp_rank] = global rank
+def rank_grid(tp: int, dp: int, pp: int) -> dict:
+    """kind -> list of groups (lists of global ranks) of a world of TP x DP x PP, Megatron's order (see the
+    module docstring)."""
+    grid = torch.arange(tp * dp * pp).view(pp, dp, tp)  # grid[pp_rank, dp_rank, tp_rank] = global rank
     return {
         "tensor": [grid[p, d, :].tolist() for p in range(pp) for d in range(dp)],
         "data": [grid[p, :, t].tolist() for p in range(pp) for t in range(tp)],
@@ -75,6 +79,22 @@ def rank_grid(world_size: int, tp: int, pp: int) -> dict:
 def coordinates(rank: int, tp: int, dp: int):
     """global rank -> (tp_rank, dp_rank, pp_rank), the inverse of rank = tp + TP * (dp + DP * pp)."""
     return rank % tp, (rank // tp) % dp, rank // (tp * dp)
+
+
+@dataclass(frozen=True)
+class Launch:
+    """This process's place in the launch: WORLD_SIZE processes, this one's global RANK and its LOCAL_RANK
+    on its node (the GPU it takes). A plain `python` run (no torchrun) is a world of one."""
+    world_size: int = 1
+    rank: int = 0
+    local_rank: int = 0
+
+    @classmethod
+    def from_environment(cls) -> "Launch":
+        """torchrun's WORLD_SIZE / RANK / LOCAL_RANK: the one place minibert reads them (MASTER_ADDR /
+        MASTER_PORT are read by init_process_group)."""
+        return cls(world_size=int(os.environ.get("WORLD_SIZE", "1")), rank=int(os.environ.get("RANK", "0")),
+                   local_rank=int(os.environ.get("LOCAL_RANK", "0")))
 
 
 @dataclass
@@ -125,32 +145,38 @@ class ParallelState:
         return self.tp_rank + self.tp * (self.dp_rank + self.dp * pp_rank)
 
     @classmethod
-    def from_environment(cls, tp: int = 1, pp: int = 1, backend: str = "gloo", timeout_minutes: float = 10.0,
-                         device=None) -> "ParallelState":
-        """Read torchrun's RANK / WORLD_SIZE / LOCAL_RANK (MASTER_ADDR / MASTER_PORT are read by
-        init_process_group), check the sizes *before* any collective (so a bad layout exits on every
-        rank instead of hanging), then create the process groups. WORLD_SIZE unset: one process."""
-        world_size = int(os.environ.get("WORLD_SIZE", "1"))
-        rank = int(os.environ.get("RANK", "0"))
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        dp = check_sizes(world_size, tp, pp)
-        if timeout_minutes <= 0:
-            raise UsageError(f"--distributed-timeout-minutes {timeout_minutes} must be positive (e.g. 10, or 0.1)")
+    def create(cls, launch: Launch, tp: int, dp: int, pp: int, backend: str = "gloo",
+               timeout_minutes: float = 10.0, device=None) -> "ParallelState":
+        """This rank's state for sizes already checked against the launch (validate: TP x DP x PP is its
+        world size, the timeout positive): pick the device, then, with several processes, create the
+        process groups. No checks here: a bad layout has exited on every rank before any collective."""
         if device is None:
-            device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
-        state = cls(tp=tp, pp=pp, dp=dp, rank=rank, local_rank=local_rank, device=torch.device(device))
-        if world_size > 1:
+            device = torch.device("cuda", launch.local_rank) if torch.cuda.is_available() else torch.device("cpu")
+        state = cls(tp=tp, pp=pp, dp=dp, rank=launch.rank, local_rank=launch.local_rank, device=torch.device(device))
+        if launch.world_size > 1:
             if state.device.type == "cuda":
                 torch.cuda.set_device(state.device)
             if not dist.is_initialized():
-                dist.init_process_group(backend, rank=rank, world_size=world_size,
+                dist.init_process_group(backend, rank=launch.rank, world_size=launch.world_size,
                                         timeout=datetime.timedelta(minutes=timeout_minutes))
-            for kind, groups in rank_grid(world_size, tp, pp).items():
+            for kind, groups in rank_grid(tp, dp, pp).items():
                 for ranks in groups:  # every rank creates every group, in the same order (a collective)
                     group = dist.new_group(ranks) if len(ranks) > 1 else None
-                    if rank in ranks:
+                    if launch.rank in ranks:
                         state.groups[kind] = group
         return state
+
+    @classmethod
+    def from_environment(cls, tp: int = 1, pp: int = 1, backend: str = "gloo", timeout_minutes: float = 10.0,
+                         device=None) -> "ParallelState":
+        """For a script without a Config (tests/distributed, bench): the launch from the environment, its
+        sizes checked here *before* any collective (so a bad layout exits on every rank instead of
+        hanging), then create(). The trainer checks its flags with validate instead (train.setup)."""
+        launch = Launch.from_environment()
+        dp = check_sizes(launch.world_size, tp, pp)
+        if timeout_minutes <= 0:
+            raise UsageError(f"--distributed-timeout-minutes {timeout_minutes} must be positive (e.g. 10, or 0.1)")
+        return cls.create(launch, tp, dp, pp, backend, timeout_minutes, device)
 
     def barrier(self):
         if self.world_size > 1:
@@ -174,8 +200,8 @@ def all_reduce(tensor, group, op=dist.ReduceOp.SUM, async_op=False):
 
 def describe_grid(world_size: int, tp: int, pp: int) -> str:
     """The picture of the module docstring, for any sizes, and every group listed."""
-    groups = rank_grid(world_size, tp, pp)
-    dp = world_size // (tp * pp)
+    dp = check_sizes(world_size, tp, pp)
+    groups = rank_grid(tp, dp, pp)
     width = len(str(world_size - 1))
     cell = max(2 + tp * width + (tp - 1), len(f"dp {dp - 1}"))  # "[" + tp ranks + "]", or the header
     lines = [f"world {world_size} = TP {tp} x DP {dp} x PP {pp}    rank = tp_rank + {tp} * (dp_rank + {dp} * pp_rank)",

@@ -331,13 +331,13 @@ def test_fused_hidden_dropout_follows_torch_seed(monkeypatch):
 def test_packed_micro_batches_equal_the_padded_twin_on_the_gpu(tmp_path, dtype):
     """Through the trainer's own pieces: the same loss from packed and padded micro-batches (flash, 16-bit)."""
     import dataclasses
-    from minibert.batches import build_data_iterator, build_datasets, get_batch
+    from minibert.batches import build_data_iterator, build_datasets
     from minibert.config import Config
     from minibert.validate import validate
     from minibert.corpus import write_default_corpus
     from minibert.preprocess import preprocess
     from minibert.tokenizer import build_tokenizer
-    from minibert.train import build_model_and_optimizer, forward_step
+    from minibert.train import build_model_and_optimizer, forward_step, get_batch
     write_default_corpus(tmp_path / "c.txt")
     (prefix,) = preprocess(str(tmp_path / "c.txt"), str(tmp_path / "c"), build_tokenizer("BertWordPieceLowerCase"),
                            split_sentences=True, progress=False)

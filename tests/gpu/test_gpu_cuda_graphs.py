@@ -182,9 +182,9 @@ def test_the_warm_up_puts_fused_main_grads_back(tmp_path):
     """The warm-up itself, on its side stream, with --gradient-accumulation-fusion: the main grads are
     bit-identical afterwards when it is given the optimizer's grads, and moved when it is not."""
     import functools
-    from minibert.batches import build_data_iterator, get_batch
+    from minibert.batches import build_data_iterator
     from minibert.cuda_graphs import forward_backward, warm_up
-    from minibert.train import build_model_and_optimizer, forward_step
+    from minibert.train import build_model_and_optimizer, forward_step, get_batch
     cfg, train_ds = trainer_pieces(tmp_path, bf16=True, gradient_accumulation_fusion=True, cuda_graph_impl="local")
     dev = torch.device("cuda")
     torch.manual_seed(0)
@@ -214,9 +214,9 @@ def test_graphs_of_several_shapes_cost_the_memory_of_the_largest(tmp_path):
     smaller shapes' graphs fit in the blocks it freed, and the pool grows by at most a quarter (with a
     stream per capture each graph kept blocks of its own, and the pool grew by each one's temporaries)."""
     import functools
-    from minibert.batches import build_data_iterator, get_batch
+    from minibert.batches import build_data_iterator
     from minibert.cuda_graphs import captured_graphs, forward_backward_captured, shape_key
-    from minibert.train import build_model_and_optimizer, forward_step
+    from minibert.train import build_model_and_optimizer, forward_step, get_batch
     cfg, train_ds = trainer_pieces(tmp_path, bf16=True, hidden_size=512, micro_batch_size=32,
                                    global_batch_size=32, cuda_graph_impl="local")
     dev = torch.device("cuda")
