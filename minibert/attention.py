@@ -39,7 +39,6 @@ import math
 import torch
 import torch.nn.functional as F
 
-from minibert.config import compute_dtype
 from minibert.errors import UsageError
 
 BACKENDS = ("auto", "local", "fused", "flash")
@@ -61,11 +60,6 @@ def resolve_backend(name: str, device, dtype=None, head_dim=None) -> str:
         return "flash"
     return "local"
 
-
-def backend_for(cfg, device) -> str:
-    """cfg.attention_backend resolved for the model that cfg builds on `device` (in its compute dtype)."""
-    return resolve_backend(cfg.attention_backend, device, compute_dtype(cfg),
-                           cfg.hidden_size // cfg.num_attention_heads)
 
 
 def reads_packed_rows(backend: str) -> bool:

@@ -14,6 +14,7 @@ import random
 import numpy as np
 import torch
 
+from minibert.attention import resolve_backend
 from minibert.config import compute_dtype
 from minibert.lr_schedule import build_scheduler
 from minibert.model import BertModel, init_parameters
@@ -66,6 +67,12 @@ def build_model(cfg, state):
         init_parameters(chunk, cfg.seed)
         chunks.append(chunk.to(compute_dtype(cfg)))
     return chunks[0] if len(chunks) == 1 else chunks
+
+
+def backend_for(cfg, device) -> str:
+    """cfg.attention_backend resolved for the model that cfg builds on `device` (in its compute dtype)."""
+    return resolve_backend(cfg.attention_backend, device, compute_dtype(cfg),
+                           cfg.hidden_size // cfg.num_attention_heads)
 
 
 def as_chunks(model) -> list:

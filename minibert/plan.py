@@ -32,7 +32,7 @@ if __package__ in (None, ""):  # run as a script from a checkout: make `minibert
 import torch
 
 from minibert import plan_memory as pm
-from minibert.attention import backend_for
+from minibert.build import backend_for
 from minibert.config import PRESETS, Config, build_parser, compute_dtype
 from minibert.errors import UsageError, exit_on_usage_error, print_error_line
 from minibert.parallel.schedules import layer_ranges

@@ -36,11 +36,11 @@ if __package__ in (None, ""):  # run as a script from a checkout: make `minibert
 import torch
 
 from minibert import checkpoint, resume
-from minibert.attention import backend_for, reads_packed_rows
+from minibert.attention import reads_packed_rows
 from minibert.batches import (BATCH_KEYS, MicroBatchSampler, PrefetchingBatches, build_data_iterator,  # noqa: F401
                               build_datasets, data_stream, next_micro_batch)
-from minibert.build import (as_chunks, as_state, build_model_and_optimizer, build_pipeline, set_random_seed,
-                            tied_embedding)
+from minibert.build import (as_chunks, as_state, backend_for, build_model_and_optimizer, build_pipeline,
+                            set_random_seed, tied_embedding)
 from minibert.config import parse_args
 from minibert.cuda_graphs import forward_backward_captured
 from minibert.errors import UsageError, exit_on_usage_error, write_line
