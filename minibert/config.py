@@ -55,8 +55,8 @@ class Config:
     residual_layernorm_fusion: bool = _flag(True, "pre-LN: the residual add that ends each layer also computes the "
                                                   "next layer's LN1 (the last layer's: the final LayerNorm), in "
                                                   "the kernel of --bias-dropout-fusion on a GPU; the same math, "
-                                                  "one launch and one pass fewer per layer (timed on an H200: "
-                                                  "+2.7% BERT-large, +3.8% BERT-base with CUDA graphs); no "
+                                                  "one launch and one pass fewer per layer (timed in whole "
+                                                  "steps: bench/notes-training.md, chapter 8, section 4.16); no "
                                                   "effect with --post-ln, whose LayerNorms already follow the "
                                                   "add; off: each layer runs its own LN1",
                                             action=argparse.BooleanOptionalAction)

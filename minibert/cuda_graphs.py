@@ -1,9 +1,10 @@
 """CUDA graphs: a micro-batch's forward and backward, captured once and replayed (--cuda-graph-impl local).
 
-Why. A small model's step is the host's time, not the GPU's. Each kernel costs the host 5-40 us to launch
-(Python, autograd, the driver), and a micro-batch of make train-small's 4-layer model launches hundreds of
-kernels that the GPU finishes in a few microseconds each: the GPU waits for the host. A CUDA graph records
-those launches once, with their arguments; a replay submits all of them in one call.
+Why. A small model's step is the host's time, not the GPU's. Each kernel costs the host microseconds to
+launch (Python, autograd, the driver), and a micro-batch of make train-small's 4-layer model launches
+hundreds of kernels that the GPU finishes faster than that: the GPU waits for the host (chapter 8,
+sections 4.12 and 4.13, measure it). A CUDA graph records those launches once, with their arguments; a
+replay submits all of them in one call.
 
     eager:   host  |launch|launch|launch|launch|launch| ...          GPU idles between tiny kernels
     graph:   host  |copy inputs|replay|                               GPU runs the recorded kernels back to back
@@ -186,7 +187,7 @@ class ModelGraphs:
     captured on. One stream, because the caching allocator hands a freed block only to a request on the
     stream it was first allocated on: graphs captured on a stream each would each keep their own blocks
     in the shared pool, and b graphs would cost b graphs' memory (BERT-large at micro-batch 205 ran out of
-    an 80 GB GPU so, with 47 GiB in the pool; chapter 8, section 4.13)."""
+    memory so: chapter 8, section 4.13; bench/notes-training.md)."""
 
     def __init__(self):
         self.pool = torch.cuda.graph_pool_handle()

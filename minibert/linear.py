@@ -4,27 +4,26 @@
     dx = dy W              dW = dy^T x             db = sum of dy over every row
 
 Autograd's own backward of F.linear computes the same three, the bias gradient with a reduction kernel
-(`dy.sum(0)`). That sum is the one part of the three that is not a matmul, and on the H200 it is slow
-for these shapes: summing a [16384, 4096] bf16 gradient (BERT-large's MLP, b32 s512) took 47.0 us, and
-the same sum written as a matrix-vector product with a vector of ones, db = dy^T 1, which cuBLAS runs as
-a GEMV, took 35.7 us; at 1024 columns 27.3 against 9.7 us, at 3072 40.6 against 28.3 (CUDA-graph timing,
-2026-12-02 01:06 UTC; bench/notes-training.md). Both accumulate in fp32 and round once to bf16.
-Per BERT-large step (4 biases in each of 24 layers) that is about 3.4 ms against 2.0.
+(`dy.sum(0)`). That sum is the one part of the three that is not a matmul, and it is slow for these
+shapes: the same sum written as a matrix-vector product with a vector of ones, db = dy^T 1, which cuBLAS
+runs as a GEMV, was faster at every width of BERT-large's and BERT-base's gradients (timed alone, and in
+BERT-base steps: bench/notes-training.md, "After alignment"). Both accumulate in fp32 and round once to
+bf16.
 
 The product with ones runs where the fused kernels do (fused_kernels_apply: CUDA, fp16/bf16, and no
 autocast, which a custom autograd Function would have to handle): everywhere else, the CPU included,
 `linear` is plain F.linear, and tests/test_linear.py checks that the two give the same gradients.
 
 Gradient-accumulation fusion (--gradient-accumulation-fusion, Megatron's flag; off by default here: in
-whole steps on the H200 it measured 0.98-1.03x the step without it, no gain above the spread, chapter 8,
+whole steps it measured no gain above the run-to-run spread, bench/notes-training.md and chapter 8,
 section 4.15). The trainer keeps each parameter's gradient in an fp32 `main_grad`
 (minibert/parallel/data_parallel.py), and after every micro-batch adds the 16-bit `.grad` autograd made
-into it: a pass over every parameter, 2.16 ms per BERT-large step on the H200. With the fusion the weight
-gradient's matmul adds its product into `main_grad` itself, in fp32 (`accumulate_weight_grad`), and
-returns no `.grad` at all; timed alone it ran as fast as the plain bf16 matmul. The data-parallel buffers
-switch it on per parameter (`weight.main_grad_added`, the callback that also counts the gradient as
-arrived for --overlap-grad-reduce); a weight used twice in one step, the tied word embedding, is never
-fused (`fuse_weight_grad=False`: its two gradients would be counted twice). Where a weight is marked,
+into it: a pass over every parameter. With the fusion the weight gradient's matmul adds its product into
+`main_grad` itself, in fp32 (`accumulate_weight_grad`), and returns no `.grad` at all; timed alone it ran
+as fast as the plain bf16 matmul. The data-parallel buffers switch it on per parameter
+(`weight.main_grad_added`, the callback that also counts the gradient as arrived for
+--overlap-grad-reduce); a weight used twice in one step, the tied word embedding, is never fused
+(`fuse_weight_grad=False`: its two gradients would be counted twice). Where a weight is marked,
 `linear` takes LinearFunction on any device, the CPU included, so the CPU tests run this path too."""
 import torch
 import torch.nn as nn

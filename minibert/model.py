@@ -46,11 +46,11 @@ from minibert.packing import gather_rows, scatter_rows
 
 BertOutput = namedtuple("BertOutput", ["lm_logits", "binary_logits", "hidden"])
 NUM_TOKEN_TYPES = 2  # sentence A / sentence B
-# The fused dropout + add + LayerNorm runs on tensors of at least this many elements. On the H200 it won
-# at 16.7M (BERT-large micro-batch 32 x 512 x 1024) and 25M elements (BERT-base), where the GPU is busy
-# with large matmuls, but launched from Python its backward took 0.35-0.42 ms against eager's 0.22-0.28
-# (chapter 8, section 4.9): on small, host-bound steps (make train-small: 65k elements) the plain ops
-# run. The bound sits between those measured points; it was not itself measured.
+# The fused dropout + add + LayerNorm runs on tensors of at least this many elements. It won at 16.7M
+# (BERT-large micro-batch 32 x 512 x 1024) and 25M elements (BERT-base), where the GPU is busy with large
+# matmuls, but launched from Python its backward costs the host more than eager's ops do (the timings:
+# bench/notes-fusions.md, chapter 8, section 4.9): on small, host-bound steps (make train-small: 65k
+# elements) the plain ops run. The bound sits between those measured points; it was not itself measured.
 FUSED_LAYER_NORM_MIN_ELEMENTS = 1 << 22
 
 

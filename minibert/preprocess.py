@@ -70,8 +70,9 @@ if __package__ in (None, ""):  # `python minibert/preprocess.py` from a checkout
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # Each worker would import numpy, whose OpenBLAS starts one busy-waiting thread per core at import: on a
-# 16-core host one import burnt 2.3 CPU s in 0.56 s, and 8 workers starting at once took those cores
-# from the work. Neither the tool nor its workers multiply matrices, so they run with one thread each.
+# many-core host one import burnt several times its wall clock in CPU, and 8 workers starting at once took
+# those cores from the work (bench/notes-preprocess.md). Neither the tool nor its workers multiply
+# matrices, so they run with one thread each.
 WORKER_THREADS = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 if __name__ == "__main__":  # run as the tool: one BLAS thread here too, so its workers can be forked
     for _name, _value in WORKER_THREADS.items():
@@ -85,7 +86,8 @@ from minibert.indexed_dataset import IndexedDatasetBuilder, best_dtype  # noqa: 
 from minibert.sentence_split import split_sentences as split_into_sentences  # noqa: E402
 from minibert.tokenizer import build_tokenizer  # noqa: E402
 
-CHUNK_BYTES = 1 << 18  # input per task: ~0.05 s of work, so 8 workers share even a few MB evenly
+CHUNK_BYTES = 1 << 18  # input per task: a fraction of a second of work (bench/notes-preprocess.md), so 8
+                       # workers share even a few MB evenly
 IN_FLIGHT_PER_WORKER = 4  # chunks queued per worker: keeps workers busy, bounds memory
 JSON_EXTENSIONS = (".json", ".jsonl")
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -229,11 +231,11 @@ def _chunks(path):
 def _start_method():
     """How the pool starts its workers: "fork" where the OS has it and this process runs one thread,
     else "spawn". A forked worker is a copy of this process, modules and encoder included, so it is
-    ready in milliseconds; a spawned one starts a fresh Python that imports numpy and minibert again
-    (0.3-0.4 s of wall clock each on a 16-core host, a fifth of a 110 MB run at 8 workers). fork copies
-    only the thread that calls it: a lock that another thread held at that moment (BLAS, torch, tqdm's
-    monitor) would stay locked in the child for good, so any second thread means spawn. The pool starts
-    its workers on the first submit, after this is asked: nothing here starts a thread in between."""
+    ready in milliseconds; a spawned one starts a fresh Python that imports numpy and minibert again, a
+    large share of a run's time at 8 workers (bench/notes-preprocess.md). fork copies only the thread
+    that calls it: a lock that another thread held at that moment (BLAS, torch, tqdm's monitor) would
+    stay locked in the child for good, so any second thread means spawn. The pool starts its workers on
+    the first submit, after this is asked: nothing here starts a thread in between."""
     try:
         threads = len(os.listdir("/proc/self/task"))  # every thread of this process, not only Python's
     except OSError:

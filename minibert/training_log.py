@@ -30,8 +30,8 @@ Model FLOPs per step (docs/measuring.md), forward + backward (x3) at 2 FLOPs per
 
 with L_i the real (non-padding) tokens of sample i, f the FFN width (4h: 72 l h^2 per token), V the
 padded vocab (the decoder matmul runs over it) and N_head the positions sent through the LM head: every
-real token, or only the masked ones with --sparse-mlm. MFU = FLOP/s per GPU / 790e12 (bf16 dense matmul
-measured on an H200; the datasheet's 989e12 would give 0.8x the figure).
+real token, or only the masked ones with --sparse-mlm. MFU = FLOP/s per GPU / PEAK_FLOPS, the rate of a
+large bf16 matmul measured on an H200, not the datasheet's peak (docs/measuring.md, section 2).
 
 With several GPUs every figure is per GPU: the model FLOPs of the whole global batch (summed over the
 data-parallel replicas) divided by the world size; recomputed activations are not model FLOPs. The losses
@@ -43,7 +43,7 @@ import time
 import torch
 import torch.distributed as dist
 
-PEAK_FLOPS = 790e12  # bf16 matmul measured on one H200
+PEAK_FLOPS = 790e12  # a large bf16 matmul's FLOP/s, measured on one H200 (docs/measuring.md, section 2)
 
 
 def model_flops(cfg, lengths, head_positions) -> float:

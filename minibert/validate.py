@@ -187,8 +187,8 @@ def _validate_for_device(cfg: Config, device_type: str, warn):
         warn("--distributed-backend nccl needs GPUs; using gloo on the CPU")
     cfg.distributed_backend = "gloo"
     if cfg.num_workers:
-        # measured on 2 cores: 1.3 s per train-small iteration with samples built in this process,
-        # 4-10 s with 2 worker processes competing with training for the cores
+        # on a 2-core machine worker processes made a train-small iteration several times slower
+        # (bench/notes-cpu-train-small.md)
         warn(f"--num-workers {cfg.num_workers} -> 0 on the CPU: worker processes would compete with "
              "training for the cores")
     cfg.num_workers = 0

@@ -20,10 +20,9 @@ multi-tensor kernel, then one copy per bucket. Bytes per parameter, fp32 unless 
     copy back           read p (4), write p16 (2)                                              6   = 38
     this kernel         read p, g, m, v (16); write p, m, v (12) and p16 (2)                       = 30
 
-BERT-large has 336M parameters: 12.8 GB a step against 10.1 GB. Measured on an H100 (bench/adamw_bench.py,
-2026-12-05): 4.95 against 3.48 ms, the kernel at 2.90 TB/s, 97% of a device copy's rate; in whole graphed
-training steps 1.2% (BERT-large) and 1.9% (BERT-base) faster (chapter 8, section 4.25). On an H200 (make
-bench, 2026-12-05 21:49 UTC, BENCHMARKS.md): 3.77 against 2.50 ms, 4.04 TB/s, 96% of a copy's rate.
+BERT-large has 336M parameters: 12.8 GB a step against 10.1 GB. The update alone (bench/adamw_bench.py)
+and whole graphed training steps with and without the kernel (`make bench`) are timed in
+bench/adamw_h100.txt, bench/benchmarks_h100.md and BENCHMARKS.md; chapter 8, section 4.25 reads them.
 
 How the work is cut. The optimizer's state lies in flat buffers, one per bucket shard (the part of a
 gradient bucket this rank updates; minibert/parallel/data_parallel.py), each holding many parameters
@@ -46,11 +45,10 @@ import triton.language as tl
 
 from minibert.kernels import interpreting
 
-# Elements per program, and warps: 512 and 4 (4 elements a thread, one 16-byte load of each fp32 buffer).
-# `python bench/adamw_bench.py --sweep` on an H100 (2026-12-05 18:18 and 18:21 UTC, BERT-large's 336M
-# parameters, one update): 512 x 4 3.47 ms (2.90 TB/s, 97% of a copy's rate), 512 x 2 3.48, 1024 x 4 3.76,
-# 1024 x 2 4.03, 2048 x 4 4.13, 4096 x 8 4.22 (the reading: more, smaller programs keep more loads in
-# flight); 256 x 4, 3.44, is 1% faster with twice the programs and tables.
+# Elements per program, and warps: 512 and 4 (4 elements a thread, one 16-byte load of each fp32 buffer),
+# picked by `python bench/adamw_bench.py --sweep`, results in bench/adamw_h100.txt. The smaller the
+# program, the faster, down to this size (the reading: more, smaller programs keep more loads in flight);
+# 256 x 4 was barely faster, with twice the programs and tables.
 BLOCK, WARPS = 512, 4
 
 

@@ -23,10 +23,11 @@ memory traffic. BERT-large, micro-batch 32 x 512: n = 16384, padded vocab V = 30
 
 and the fused kernels here move: forward read L (writes n fp32 losses, maxima and log-sums, ~0); backward read L,
 write L. Total 3 L = 3 GB, 6x fewer bytes, and between forward and backward it holds 128 KB (two fp32 per row)
-instead of 2 GB of log-probabilities. Measured on an H200 (bench/cross_entropy_bench.py): 0.88 ms instead
-of 6.2 ms for forward + backward, and a peak of +0.95 GB (the gradient itself) instead of +5.7 GB.
+instead of 2 GB of log-probabilities; its extra peak memory is the gradient itself.
+bench/cross_entropy_bench.py times both paths and their peak memory, every row labelled and 15% labelled:
+results in bench/fusions_h200.md, read in bench/notes-fusions.md and chapter 8, section 4.8.
 Rows whose label is ignore_index (85% of positions in dense MLM) are not even read: their loss and gradient
-are 0 whatever the logits are (0.53 ms at 15% labelled; eager still reads every row).
+are 0 whatever the logits are (eager still reads every row).
 
 The online logsumexp. One pass over a row in chunks c = 1, 2, ... of BLOCK_V columns keeps a running max m
 and a running sum s of exp(x - m):
@@ -79,12 +80,12 @@ class CrossEntropyConfig:
 
 # A BERT row is 30k columns (60 KB in bf16): one row per program is already a long stream, and n >= 4096
 # rows keep every SM busy, so only the chunk shape matters. Picked by `python bench/cross_entropy_bench.py
-# --sweep` on an H200 (triton 3.6, bf16 [16384, 30592] viewed to 30524 columns, every row labelled):
-# forward best with ONE warp and 2048 columns (64 per thread): 3.39 TB/s, vs 2.38 at 8 warps, because each
+# --sweep` (bf16 [16384, 30592] viewed to 30524 columns, every row labelled), results in
+# bench/notes-fusions.md: the forward is best with ONE warp and 2048 columns (64 per thread), because each
 # chunk ends in two row reductions (max, sum) and within one warp those are register shuffles, with no
 # shared memory and no barrier; 64 one-warp programs per SM keep enough loads in flight. The backward has
-# no reduction: 2048 columns over 8 warps (8 per thread), 3.43 TB/s read + write; 1024-4096 columns and
-# 2-8 warps are all within 3%. A device copy of the same bytes runs at ~4 TB/s.
+# no reduction: 2048 columns over 8 warps (8 per thread); the chunk widths and warp counts near it time
+# alike.
 GPU_CONFIG = {"forward": CrossEntropyConfig(block_v=2048, num_warps=1),
               "backward": CrossEntropyConfig(block_v=2048, num_warps=8)}
 # The interpreter runs a chunk as numpy ops on the CPU: small chunks keep tests fast and make the test
@@ -234,7 +235,8 @@ def _padded_base(logits):
     The LM head multiplies the whole padded table, [n, padded vocab], and keeps the real vocab's columns as
     a view (minibert.model.TiedDecoder). Autograd's backward of that view makes a zeroed [n, padded vocab]
     tensor and copies the gradient into its first V columns: a fill and a strided copy of the whole
-    gradient, the copy alone 2.33 ms of a 52 ms BERT-base step on an H200 (bench/kernel_table_h200.md).
+    gradient, the copy alone one of a BERT-base step's larger kernels after the matmuls and attention
+    (bench/kernel_table_h200.md; chapter 8, section 4.21).
     Taking the wider tensor as the Function's input instead, the backward writes that padded gradient
     itself (zeros past V) and autograd has nothing to copy; the forward reads the same V columns."""
     base = logits._base

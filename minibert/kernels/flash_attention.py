@@ -12,10 +12,12 @@ For BERT-large at b32 h16 s512 in bf16 one s x s tensor is 32*16*512*512*2 B = 2
 output are 33.5 MB each. `attention_reference` below (the plain PyTorch version) moves, per layer:
     forward : write S, read S, write P, read P, write the dropped P', read P'        6 x 268 MB = 1.6 GB
     backward: write dP', read dP', read P, write dS, read dS twice, read P'   at least 7 x 268 MB = 1.9 GB
-about 3.5 GB, ~0.85 ms at the H200's ~4.1 TB/s, for 0.15 ms of matmul work at 790 TFLOP/s; and P, P' stay
-alive for the backward (537 MB per layer). Flash attention (Dao et al. 2022, FA2 2023) never stores S or P:
-each program keeps a block of query rows in registers and streams K, V past it, so HBM sees Q, K, V and O
-once (~134 MB) plus one float per row (the log-sum-exp) for the backward, which recomputes P from Q, K.
+about 3.5 GB against ~0.1 TFLOP of matmul work (6 matmuls of 2*b*heads*s*s*d FLOPs, forward and backward):
+at a GPU's copy rate and matmul peak (docs/measuring.md) the bytes take several times as long as the math.
+And P, P' stay alive for the backward (537 MB per layer). Flash attention (Dao et al. 2022, FA2 2023) never
+stores S or P: each program keeps a block of query rows in registers and streams K, V past it, so HBM sees
+Q, K, V and O once (~134 MB) plus one float per row (the log-sum-exp) for the backward, which recomputes P
+from Q, K.
 
 2. Online softmax (the forward)
 -------------------------------
@@ -46,7 +48,8 @@ with t = round(p * 2^31), so the dropout rate is t / 2^31 and the decision depen
 never on the tile sizes. Each thread hashes the scores it holds, in the layout the tensor cores left them
 in, for ~9 integer instructions per score and no data moved between threads. (Philox, the usual generator,
 costs ~60 instructions per call: sharing one call between 8 keys needed the bits moved through shared
-memory, and took 0.87 ms fwd+bwd against this hash's 0.64 at BERT-large's full-length shapes on an H200.)
+memory, and was slower than this hash at BERT-large's shapes; the timings: chapter 3, section 4.6, and
+chapter 8, section 4.17.)
 The running sum l uses the undropped P (dropout acts after softmax); kept values are scaled by
 1 / (1 - t / 2^31) once, on the output.
 

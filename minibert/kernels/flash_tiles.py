@@ -6,7 +6,7 @@ queries. Those two numbers, with the warps per program and the pipeline stages o
 They do not change what a kernel computes (the tests run several and compare), only how fast it runs and
 whether its blocks fit in registers, so they are picked by timing: `python bench/attention_bench.py --sweep`
 times every candidate below on the GPU, and the first of each list (the default) is the winner of the sweep
-its comment names, with the device, date and shape it ran at.
+its comment names; the results file or chapter it points to holds the device, date, shape and times.
 
 The kernels live in flash_attention.py (forward) and flash_attention_bwd.py (backward); the autograd
 Functions that launch them (flash_attention.py, flash_attention_packed.py, flash_attention_varlen.py)
@@ -36,12 +36,11 @@ class Tile(NamedTuple):
 # Candidates per head-dim block (16/32/64 use the 64 list) and kernel, for the GPU sweep
 # (bench/attention_bench.py --sweep); the FIRST of each list is the default. All compile for sm_90 with
 # triton 3.6 without register spills (ptxas -v); 128-wide heads need fewer rows per warp. The d64 defaults
-# do not spill with dropout either (`python bench/sass_count.py`, triton 3.6, sm_90, 2026-12-05: 255
-# registers in the forward and dkdv kernels, 127 in dq).
+# do not spill with dropout either (`python bench/sass_count.py` compiles them on a CPU and counts registers
+# and spills; its counts: bench/notes-attention-one-kernel.md).
 TILE_CANDIDATES = {
-    # d <= 64: the first of each list won `bench/attention_bench.py --sweep` on an H200 (2026-11-30, triton
-    # 3.6, b32 h16 s512 d64 bf16, key lengths U[256, 512], CUDA-graph timing): forward 104 us, dq 112 us,
-    # dkdv 160 us (0.376 ms for the three).
+    # d <= 64: the first of each list won `bench/attention_bench.py --sweep` at b32 h16 s512 d64 bf16, key
+    # lengths U[256, 512] (the times: chapter 3, section 4.8).
     64: {"forward": [Tile(64, 128, 4, 3), Tile(128, 64, 4, 2), Tile(128, 64, 8, 3), Tile(128, 64, 4, 3),
                      Tile(128, 64, 4, 4), Tile(128, 32, 4, 3), Tile(128, 32, 4, 4), Tile(128, 128, 8, 2),
                      Tile(64, 64, 4, 3)],
@@ -49,9 +48,10 @@ TILE_CANDIDATES = {
                 Tile(64, 64, 4, 4), Tile(128, 32, 4, 4), Tile(128, 64, 8, 3), Tile(32, 32, 4, 4)],
          "dkdv": [Tile(64, 64, 4, 2), Tile(64, 64, 4, 4), Tile(64, 64, 4, 3), Tile(32, 64, 4, 4),
                   Tile(32, 64, 4, 3), Tile(16, 128, 4, 5), Tile(64, 128, 8, 3), Tile(32, 128, 8, 4)],
-         # the short backward (s <= 128): `--sweep-short` at b256 h12 s128 (H200, 2026-12-03 14:21 UTC):
-         # 210.3 us against the dq + dkdv pair's 229.9 (231.0 against 257.0 with dropout); (64, 128, 8, 1)
-         # was 1-2% faster still and is the next one to try in whole steps (bench/attention_short_h200.md)
+         # the short backward (s <= 128): picked by `bench/attention_bench.py --sweep-short` at b256 h12
+         # s128, faster than the dq + dkdv pair with and without dropout, results in
+         # bench/attention_short_h200.md; (64, 128, 8, 1) was a little faster still there and is the next
+         # one to try in whole steps
          "short": [Tile(64, 128, 8, 2), Tile(64, 128, 8, 1), Tile(64, 128, 4, 2), Tile(32, 128, 4, 2),
                    Tile(32, 128, 8, 2), Tile(16, 128, 4, 2)]},
     128: {"forward": [Tile(128, 64, 8, 2), Tile(128, 64, 8, 3), Tile(128, 32, 8, 3), Tile(64, 64, 4, 3),
@@ -64,15 +64,15 @@ TILE_CANDIDATES = {
 }
 # The forward's tile for sequences of 512 and more keys (16-bit, d <= 64): with every row block long,
 # 128 query rows per program beat the list's first (64, 128), which wins on shorter and mixed lengths, where
-# a 128-row block wastes more rows past a sample's end. On an H100 (2026-12-05, triton 3.6, b32 h16 s512
-# d64 bf16, every key real, the varlen layout of training): 106.2 against 123.5 us, 149.6 against 161.3 us
-# with dropout 0.1 (bench/attention_one_kernel_h100.txt).
+# a 128-row block wastes more rows past a sample's end. Picked by a sweep of the forward tiles at b32 h16
+# s512 d64 bf16, every key real, the varlen layout of training, with and without dropout; results in
+# bench/attention_one_kernel_h100.txt, read in bench/notes-attention-one-kernel.md.
 # Its register cap: two programs of 256 threads fit a multiprocessor's 65,536 registers at 128 per thread.
-# Every variant of this kernel compiles to 122-128 without a cap but one, the padded layout with dropout
-# and no mask, which took 173-175 and so ran one program per multiprocessor: 175.2 us against 150.8 with
-# the cap on an H200 (bench/fwd_pad_check_h200.txt), 174.5-175.9 against 151.1-159.6 on an H100, where
-# the other variants' times moved within the run's noise and every output was the same bit for bit
-# (2026-12-05 23:56 UTC, bench/fwd_cap_h100.txt).
+# Every variant of this kernel compiles to at most 128 a thread without a cap but one, the padded layout
+# with dropout and no mask, which took more and so ran one program per multiprocessor, slower. With the
+# cap it runs as fast as the packed layout, the other variants' times stay within the run's noise and
+# every output is the same bit for bit: register counts and times in bench/fwd_pad_check_h200.txt and
+# bench/fwd_cap_h100.txt.
 LONG_FORWARD = {64: Tile(128, 64, 8, 3, maxnreg=128)}
 LONG_SEQUENCE = 512
 # fp32 tiles are twice the bytes; no short backward (its dK, dV and K, V blocks would not fit)
@@ -93,10 +93,10 @@ def head_dim_block(d):
     return max(16, triton.next_power_of_2(d))
 
 
-# With dropout the defaults stay: `bench/attention_bench.py --sweep --dropout 0.1` on the H200 (2026-12-02
-# 18:15 UTC, b32 h16 s512 d64, lengths U[256,512]) found the same three tiles fastest (forward 136.6 us, dq
-# 142.5 us, dkdv 192.5 us), since the dropout hash adds no registers to move bits between threads. (With
-# the earlier Philox draw, shared by 8 keys, the forward spilled and dq wanted 128x32.)
+# With dropout the defaults stay: `bench/attention_bench.py --sweep --dropout 0.1` (b32 h16 s512 d64,
+# lengths U[256,512]) found the same three tiles fastest, since the dropout hash adds no registers to move
+# bits between threads; results in bench/notes-training.md. (With the earlier Philox draw, shared by 8
+# keys, the forward spilled and dq wanted 128x32.)
 @functools.lru_cache(maxsize=None)
 def pick_tiles(head_dim, dtype, seq_len=0):
     """(forward, dq, dkdv, short) tiles for this head dim and dtype, with or without dropout; short is None

@@ -31,10 +31,11 @@ Everything here is a few flops per element, so the time is the bytes. BERT-large
 Fused forward: read r, y; write x, normed (4 T). Fused backward: read grad_x, dnormed, x; write
 grad_residual, grad_y (5 T); x must be kept for the backward either way, the mask never exists (each
 eager dropout keeps a 16 MB mask alive from forward to backward, 48 per step in a 24-layer model).
-Measured (bench/layer_norm_bench.py, H200, GPU time): fwd+bwd 0.255 ms eager -> 0.096 ms fused (2.7x),
-3.2 TB/s of the 9 T a perfect kernel moves. Launched from Python one call at a time it is slower than
-eager (0.35 -> 0.71 ms): the autograd Function and the Triton launches cost the host more than the GPU
-work, which hides only when the GPU is busy with bigger kernels (chapter 8, section 4.9).
+On the GPU's clock (bench/layer_norm_bench.py, CUDA-graph timing) the fused pair is faster than eager and
+moves its 9 T at about a plain copy's rate. Launched from Python one call at a time it is slower than
+eager: the autograd Function and the Triton launches cost the host more than the GPU work, which hides
+only when the GPU is busy with bigger kernels. The times: bench/fusions_h200.md, read in
+bench/notes-fusions.md and chapter 8, section 4.9.
 
 3. The LayerNorm backward
 -------------------------
@@ -50,7 +51,8 @@ The backward reloads the stored x (rounded to its dtype: the LayerNorm normalise
 saved fp32 mean and rstd, so xhat is recomputed, not stored. dweight, dbias: a fixed grid of P programs
 (a few per SM), each summing a strided set of row blocks into fp32 registers and writing one [h] row of
 a [2, P, h] buffer; torch then sums the P rows (one ATen launch: cheaper on the host than a second
-Triton kernel, which was measured to matter). No atomics, so the same bits every run.
+Triton kernel, which was measured to matter: bench/notes-fusions.md). No atomics, so the same bits every
+run.
 
 4. Dropout without a mask
 -------------------------
@@ -104,11 +106,11 @@ class Tile(NamedTuple):
     programs_per_sm: int = 0  # backward: a grid of this many programs per SM, each looping over row blocks
 
 
-# Picked by `python bench/layer_norm_bench.py --sweep` on an H200 (2026-12, triton 3.6, bf16, dropout 0.1,
-# CUDA-graph timing): 2048 values per block and 16 per thread won both directions at [16384, 1024]
-# (2 rows x 4 warps: forward 3.89 TB/s, backward 2.91 TB/s on 4 programs per SM; the backward at 4 rows x
-# 16 warps ran at 1.30) and came within 4% of the best at [32768, 768]. Short programs with few warps keep
-# many blocks in flight, which is what a streaming kernel needs; more programs per SM (8) or fewer (1) lost.
+# Picked by `python bench/layer_norm_bench.py --sweep` (bf16, dropout 0.1, CUDA-graph timing), results in
+# bench/notes-fusions.md: 2048 values per block and 16 per thread (2 rows x 4 warps at h 1024; the backward
+# on 4 programs per SM) won both directions at [16384, 1024] and came close to the best at [32768, 768].
+# Short programs with few warps keep many blocks in flight, which is what a streaming kernel needs; more
+# programs per SM (8) or fewer (1) lost.
 TILE_ELEMENTS = {"forward": 2048, "backward": 2048}
 ELEMENTS_PER_THREAD = {"forward": 16, "backward": 16}
 BACKWARD_PROGRAMS_PER_SM = 4  # the partial buffer is then 2 * 4 * SMs * h fp32 (4.3 MB at h 1024, 132 SMs)

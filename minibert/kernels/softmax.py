@@ -12,11 +12,11 @@ Attention turns scores S = Q K^T, one [sq, sk] matrix per (batch, head), into pr
     scores [b, heads, sq, sk]        mask [b, 1, 1, sk] (True = padding key), broadcast over heads, queries
     row r = (batch, head, query)     P[r, :] = exp(z - max z) / sum(exp(z - max z)),  z = scaled, masked row
 
-Each output element needs one multiply, a compare and an exp: a few flops per 2-4 bytes moved. An H200
-moves ~4.1 TB/s and computes ~67 TFLOP/s in fp32 (no tensor cores here), so the time is the bytes. Eager PyTorch runs three
-kernels and each one streams the whole tensor (softmax_reference counts them: 6 passes forward, 7
-backward); the fused kernel reads x once and writes y once (2 passes), and its backward reads y and dy and
-writes dx (3). BERT-large at s=512, b=32: 134M scores per layer, 268 MB in bf16.
+Each output element needs one multiply, a compare and an exp: a few flops per 2-4 bytes moved. A GPU's fp32
+units (no tensor cores here) do tens of flops in the time its memory moves those bytes, so the time is the
+bytes. Eager PyTorch runs three kernels and each one streams the whole tensor (softmax_reference counts
+them: 6 passes forward, 7 backward); the fused kernel reads x once and writes y once (2 passes), and its
+backward reads y and dy and writes dx (3). BERT-large at s=512, b=32: 134M scores per layer, 268 MB in bf16.
 
 Runs on CUDA, or on CPU with TRITON_INTERPRET=1 (the tests: the same kernel source, interpreted, slow).
 """
@@ -73,10 +73,10 @@ class SoftmaxConfig:
 
 MAX_ONE_PASS_BLOCK = 16384  # longest row kept in registers (32 fp32 per thread at 16 warps); longer rows loop
 LONG_ROW_BLOCK = 4096       # chunk width when looping over a long row
-# Tile shape per direction, picked by `python bench/softmax_bench.py` on an H200 (2026-11-30, triton 3.6,
-# bf16 [32,16,512,512]): forward best at 2048 elements per program and 32 per thread (4 rows x 512, 2 warps:
-# 4.03 TB/s vs 2.96 for 4096/16); backward best at 1024 and 8 per thread (2 rows, 4 warps: 4.11 TB/s).
-# Short programs with few warps keep many tiles in flight per SM, which is what a streaming kernel needs.
+# Tile shape per direction, picked by `python bench/softmax_bench.py` (its sweep, at bf16 [32,16,512,512]),
+# results in bench/softmax_h200.txt: forward at 2048 elements per program and 32 per thread (4 rows x 512,
+# 2 warps), backward at 1024 and 8 per thread (2 rows, 4 warps). Short programs with few warps keep many
+# tiles in flight per SM, which is what a streaming kernel needs.
 TILE_ELEMENTS = {"forward": 2048, "backward": 1024}        # elements per tile
 ELEMENTS_PER_THREAD = {"forward": 32, "backward": 8}       # elements each thread holds per input
 
