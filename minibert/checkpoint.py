@@ -15,7 +15,8 @@ all ranks meet at a barrier, and only then does global rank 0 write the tracker:
 ranks' writes leaves the tracker on the previous, complete checkpoint.
 
 Each file is one dict: iteration, checkpoint_version, model (minibert's own parameter names: a stage's
-layers keep their full-model names), optimizer (by parameter name: Adam moments, fp32 masters, the fp16
+layers keep their full-model names; a file written before a rename is read under today's names,
+rename_old_keys), optimizer (by parameter name: Adam moments, fp32 masters, the fp16
 loss scaler), opt_param_scheduler, rng_state (python, numpy, torch, cuda), consumed_train_samples,
 consumed_valid_samples, data_stream (what shapes the sample stream) and args (the Config as a dict). Everything in it is a tensor, number, string, list or dict, so it loads with
 torch.load(weights_only=True): opening a checkpoint never runs code from the file.
@@ -35,6 +36,7 @@ import contextlib
 import dataclasses
 import glob
 import os
+import re
 import shutil
 import socket
 import sys
@@ -389,7 +391,48 @@ def load_checkpoint(checkpoints_dir: str, *, tp_rank=0, pp_rank=0, pp_size=1):
         for shard in shards:
             verify(shard, directory)
         state["optimizer"]["shards"] = [read_file(f) for f in shards]
+    rename_old_keys(state)
     state["release"] = iteration == RELEASE
+    return state
+
+
+# ---- parameter names of older checkpoints ----
+# A checkpoint keeps the names it was written with, so every rename of a parameter stays here for good, as
+# (pattern, today's name). load_checkpoint applies them to each file it reads, so every loader (the
+# trainer's resume, minibert.reshard's converter and load_model, and through it fill_mask and convert to-hf)
+# sees today's names only.
+RENAMED_KEYS = [
+    # after commit 9d2e13f, TransformerLayer's two LayerNorms took megatron-core's names
+    (re.compile(r"^(layers\.\d+\.)attention_layernorm\."), r"\1input_layernorm."),
+    (re.compile(r"^(layers\.\d+\.)mlp_layernorm\."), r"\1pre_mlp_layernorm."),
+]
+
+
+def new_key(name: str) -> str:
+    """Today's name of a parameter saved as `name` (`name` itself when it was never renamed)."""
+    for pattern, replacement in RENAMED_KEYS:
+        name = pattern.sub(replacement, name)
+    return name
+
+
+def rename_old_keys(state: dict) -> dict:
+    """In place: the parameter names of a loaded checkpoint file brought to today's (RENAMED_KEYS) wherever
+    names are keys: state["model"], state["sharding"], and the optimizer's per-parameter entries
+    (state["optimizer"]["params"], or each ZeRO-1 shard's under state["optimizer"]["shards"]). A table that
+    holds no old name is left as it is. Returns `state`."""
+    def renamed(table):
+        if not isinstance(table, dict):
+            return table
+        names = {k: new_key(k) if isinstance(k, str) else k for k in table}
+        return table if all(k == n for k, n in names.items()) else {names[k]: v for k, v in table.items()}
+
+    for key in ("model", "sharding"):
+        if key in state:
+            state[key] = renamed(state[key])
+    optimizer = state.get("optimizer") if isinstance(state.get("optimizer"), dict) else {}
+    for entries in [optimizer] + [s for s in optimizer.get("shards") or [] if isinstance(s, dict)]:
+        if "params" in entries:
+            entries["params"] = renamed(entries["params"])
     return state
 
 

@@ -15,8 +15,8 @@ Each comes in three common shapes, all accepted by from_hf:
 A head the checkpoint lacks is built fresh with minibert's own init (one warning line names it): the
 encoder is pretrained, the head is not, until you train it.
 
-Weight map ({i}: layer index; [pre] / [post]: only that layout; LN1 / LN2: attention_layernorm /
-mlp_layernorm of minibert.model.TransformerLayer):
+Weight map ({i}: layer index; [pre] / [post]: only that layout; LN1 / LN2: input_layernorm /
+pre_mlp_layernorm of minibert.model.TransformerLayer):
 
 | minibert | HF BERT | HF MegatronBERT | note |
 |---|---|---|---|
@@ -24,10 +24,10 @@ mlp_layernorm of minibert.model.TransformerLayer):
 | embedding.position_embeddings | bert.embeddings.position_embeddings | same | |
 | embedding.tokentype_embeddings | bert.embeddings.token_type_embeddings | same | |
 | embedding.layernorm [post] | bert.embeddings.LayerNorm | - | |
-| layers.{i}.attention_layernorm | ...layer.{i}.attention.output.LayerNorm | ...layer.{i}.attention.ln | LN1 |
+| layers.{i}.input_layernorm | ...layer.{i}.attention.output.LayerNorm | ...layer.{i}.attention.ln | LN1 |
 | layers.{i}.self_attention.query_key_value | ...layer.{i}.attention.self.{query,key,value} | same | [heads,3,d] |
 | layers.{i}.self_attention.dense | ...layer.{i}.attention.output.dense | same | |
-| layers.{i}.mlp_layernorm | ...layer.{i}.output.LayerNorm | ...layer.{i}.ln | LN2 |
+| layers.{i}.pre_mlp_layernorm | ...layer.{i}.output.LayerNorm | ...layer.{i}.ln | LN2 |
 | layers.{i}.mlp.dense_h_to_4h | ...layer.{i}.intermediate.dense | same | |
 | layers.{i}.mlp.dense_4h_to_h | ...layer.{i}.output.dense | same | |
 | final_layernorm [pre] | - | bert.encoder.ln | |
@@ -72,9 +72,9 @@ TOP_LEVEL = {
     "binary_head": ("cls.seq_relationship",) * 2,
 }
 PER_LAYER = {  # under layers.{i} <-> bert.encoder.layer.{i}
-    "attention_layernorm": ("attention.output.LayerNorm", "attention.ln"),
+    "input_layernorm": ("attention.output.LayerNorm", "attention.ln"),
     "self_attention.dense": ("attention.output.dense",) * 2,
-    "mlp_layernorm": ("output.LayerNorm", "ln"),
+    "pre_mlp_layernorm": ("output.LayerNorm", "ln"),
     "mlp.dense_h_to_4h": ("intermediate.dense",) * 2,
     "mlp.dense_4h_to_h": ("output.dense",) * 2,
 }

@@ -174,16 +174,19 @@ class MLP(nn.Module):
 
 
 class TransformerLayer(nn.Module):
-    """One layer; `attention_layernorm` / `mlp_layernorm` are LN1 / LN2 of the module docstring (Megatron:
-    input_layernorm / post_attention_layernorm; HF post-LN: attention.output.LayerNorm / output.LayerNorm)."""
+    """One layer; `input_layernorm` / `pre_mlp_layernorm` are LN1 / LN2 of the module docstring, named as in
+    megatron-core's TransformerLayer (Megatron's legacy model: input_layernorm / post_attention_layernorm; HF
+    post-LN: attention.output.LayerNorm / output.LayerNorm). Post-LN keeps the names, though there each one
+    normalises after its residual add. They were attention_layernorm / mlp_layernorm up to commit 9d2e13f:
+    checkpoints of those days load through minibert.checkpoint.rename_old_keys."""
 
     def __init__(self, config):
         super().__init__()
         h, eps = config.hidden_size, config.layernorm_epsilon
         self.post_ln = config.post_ln
-        self.attention_layernorm = nn.LayerNorm(h, eps=eps)
+        self.input_layernorm = nn.LayerNorm(h, eps=eps)
         self.self_attention = SelfAttention(config)
-        self.mlp_layernorm = nn.LayerNorm(h, eps=eps)
+        self.pre_mlp_layernorm = nn.LayerNorm(h, eps=eps)
         self.mlp = MLP(config)
         self.dropout = config.hidden_dropout
         self.rng_context = contextlib.nullcontext  # sequence parallelism: each rank's own generator
@@ -222,12 +225,12 @@ class TransformerLayer(nn.Module):
         fused kernel does both, and the next layer takes the result as `normed` (None: it runs its own LN1)."""
         if self.post_ln:
             _, x = self.add_dropout_norm(x, self.self_attention(x, padding_mask, backend, packing),
-                                         self.attention_layernorm)
-            return self.add_dropout_norm(x, self.mlp(x), self.mlp_layernorm)[1], None
+                                         self.input_layernorm)
+            return self.add_dropout_norm(x, self.mlp(x), self.pre_mlp_layernorm)[1], None
         if normed is None:
-            normed = self.attention_layernorm(x)
+            normed = self.input_layernorm(x)
         x, normed = self.add_dropout_norm(x, self.self_attention(normed, padding_mask, backend, packing),
-                                          self.mlp_layernorm)
+                                          self.pre_mlp_layernorm)
         return self.add_dropout_norm(x, self.mlp(normed), next_layernorm)
 
 
@@ -395,7 +398,7 @@ class BertModel(nn.Module):
         cfg = self.config
         after = [None] * len(layers)  # the LayerNorm each layer's closing add computes
         if cfg.residual_layernorm_fusion and not cfg.post_ln:
-            after = [layer.attention_layernorm for layer in layers[1:]] + [
+            after = [layer.input_layernorm for layer in layers[1:]] + [
                 self.final_layernorm if self.post_process else None]
         steps, normed = list(zip(layers, after)), None
         if cfg.recompute == "full" and torch.is_grad_enabled():

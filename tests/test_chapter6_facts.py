@@ -55,8 +55,8 @@ def test_the_copy_starts_equal_to_the_first_stage_table():
     last = BertModel(cfg, layer_numbers=range(2, 4), pre_process=False, post_process=True)
     name = "embedding.word_embeddings.weight"
     assert torch.equal(dict(first.named_parameters())[name], dict(last.named_parameters())[name])
-    assert sorted(k for k in last.state_dict() if k.startswith("layers.") and k.endswith("attention_layernorm.weight")) \
-        == ["layers.2.attention_layernorm.weight", "layers.3.attention_layernorm.weight"]
+    assert sorted(k for k in last.state_dict() if k.startswith("layers.") and k.endswith("input_layernorm.weight")) \
+        == ["layers.2.input_layernorm.weight", "layers.3.input_layernorm.weight"]
 
 
 def test_flops_per_token_by_stage():

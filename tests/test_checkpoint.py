@@ -1,4 +1,5 @@
-"""minibert.checkpoint: Megatron's layout, weights_only loading, atomic writes, clear errors."""
+"""minibert.checkpoint: Megatron's layout, weights_only loading, atomic writes, clear errors, and checkpoints
+written under older parameter names (tests/data/pre_rename_checkpoint) loading under today's."""
 import os
 import random
 import socket
@@ -7,12 +8,12 @@ import numpy as np
 import pytest
 import torch
 
-from minibert import checkpoint, resume
+from minibert import checkpoint, reshard, resume
 from minibert.config import Config
 from minibert.errors import UsageError, exit_on_usage_error
 from minibert.model import BertModel
 from minibert.lr_schedule import build_scheduler
-from minibert.build import build_grad_buffers
+from minibert.build import build_grad_buffers, build_model_and_optimizer
 from minibert.optim import build_optimizer
 
 
@@ -187,3 +188,62 @@ def test_a_lock_from_another_host_or_unreadable_is_reported_with_the_file_to_del
     assert not lock.exists()
     with pytest.raises(UsageError, match="--overwrite-save would delete the checkpoints --load"):
         checkpoint.check_save_owner(str(tmp_path), str(tmp_path), overwrite_save=True)
+
+
+# Written by commit 9d2e13f (README.txt there says how), before TransformerLayer's LayerNorms took megatron-core's
+# names: its files hold layers.{i}.attention_layernorm / mlp_layernorm, now input_layernorm / pre_mlp_layernorm.
+PRE_RENAME = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "pre_rename_checkpoint")
+OLD_TO_NEW = {"attention_layernorm": "input_layernorm", "mlp_layernorm": "pre_mlp_layernorm"}
+
+
+def todays_name(old: str) -> str:
+    """The fixture's name of a parameter -> today's, spelled out here rather than through the key map."""
+    parts = old.split(".")
+    if parts[0] == "layers":
+        parts[2] = OLD_TO_NEW.get(parts[2], parts[2])
+    return ".".join(parts)
+
+
+def test_a_checkpoint_written_before_the_layernorm_rename_loads_and_restores_under_todays_names():
+    raw = torch.load(checkpoint.checkpoint_path(PRE_RENAME, 2), weights_only=True)
+    assert "layers.1.attention_layernorm.weight" in raw["model"]  # the fixture does hold the old names
+    assert "layers.1.mlp_layernorm.bias" in raw["optimizer"]["params"]
+    expected = {todays_name(k): v for k, v in raw["model"].items()}
+
+    model, cfg = reshard.load_model(PRE_RENAME)  # what fill_mask and convert to-hf read
+    assert "layers.1.pre_mlp_layernorm.bias" in model.state_dict()
+    assert sorted(model.state_dict()) == sorted(expected)
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, expected[name].float()), name
+
+    cfg = reshard.config_from_args(raw["args"])  # the trainer's resume: the run's own model and optimizer
+    model, optimizer, scheduler = build_model_and_optimizer(cfg, torch.device("cpu"))
+    loaded = checkpoint.load_checkpoint(PRE_RENAME)
+    assert resume.restore_training_state(loaded, cfg, model, optimizer, scheduler) == (2, 8, 0)
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, expected[name]), name
+    saved = optimizer.state_dict()
+    assert saved["step"] == 2.0 and scheduler.num_steps == raw["opt_param_scheduler"]["num_steps"]
+    assert sorted(saved["params"]) == sorted(todays_name(k) for k in raw["optimizer"]["params"])
+    for old, entry in raw["optimizer"]["params"].items():
+        for key in ("exp_avg", "exp_avg_sq", "master"):
+            assert torch.equal(saved["params"][todays_name(old)][key], entry[key]), (old, key)
+
+
+def test_the_key_map_renames_only_old_names_in_every_table_of_a_file():
+    old, new = "layers.3.mlp_layernorm.weight", "layers.3.pre_mlp_layernorm.weight"
+    assert checkpoint.new_key(old) == new and checkpoint.new_key(new) == new
+    for kept in ("final_layernorm.weight", "lm_head.layernorm.bias", "layers.0.self_attention.dense.weight",
+                 "layers.0.input_layernorm.bias"):
+        assert checkpoint.new_key(kept) == kept
+    shard = {"step": 1.0, "params": {old: {"range": [0, 4]}}, "grad_scaler": None}
+    state = {"model": {old: 1, "lm_head.bias": 2}, "sharding": {old: [0, 2]},
+             "optimizer": {"distributed": True, "step": 1.0, "shards": [shard, dict(shard)]}}
+    checkpoint.rename_old_keys(state)
+    assert list(state["model"]) == [new, "lm_head.bias"] and list(state["sharding"]) == [new]
+    assert [list(s["params"]) for s in state["optimizer"]["shards"]] == [[new], [new]]
+    today = {"model": {new: 1}, "optimizer": {"params": {new: {}}}}
+    tables = today["model"], today["optimizer"]["params"]
+    checkpoint.rename_old_keys(today)  # nothing old: the very same dicts
+    assert (today["model"], today["optimizer"]["params"]) == tables
+    assert today["model"] is tables[0] and today["optimizer"]["params"] is tables[1]

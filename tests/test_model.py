@@ -91,7 +91,7 @@ def test_pre_ln_structure(chained):
     model, seen = tiny_model(post_ln=False, residual_layernorm_fusion=chained), {}
     assert model.embedding.layernorm is None and model.final_layernorm is not None
     layer = model.layers[0]
-    for key, module in [("emb", model.embedding), ("ln1", layer.attention_layernorm),
+    for key, module in [("emb", model.embedding), ("ln1", layer.input_layernorm),
                         ("attn", layer.self_attention), ("last", model.layers[-1])]:
         _record(module, seen, key)
     out = model(make_batch()["tokens"])
@@ -113,7 +113,7 @@ def test_post_ln_structure():
     assert model.embedding.layernorm is not None and model.final_layernorm is None
     layer = model.layers[0]
     for key, module in [("emb", model.embedding), ("attn", layer.self_attention),
-                        ("ln1", layer.attention_layernorm), ("last", model.layers[-1])]:
+                        ("ln1", layer.input_layernorm), ("last", model.layers[-1])]:
         _record(module, seen, key)
     out = model(make_batch()["tokens"])
     emb = seen["emb.out"]
