@@ -23,6 +23,7 @@ import os
 import signal
 import socket
 import sys
+import time
 import traceback
 
 import torch
@@ -117,6 +118,11 @@ def handle(state, error, timeout_minutes):
     failure = _recorded_failure()
     if failure is None and looks_like_communication(error):
         gone = _gone_ranks(state)
+        for _ in range(10):  # a killed rank's sockets close while it exits, a moment before it is a zombie
+            if gone:
+                break
+            time.sleep(0.1)
+            gone = _gone_ranks(state)
         failure = (f"rank {', '.join(map(str, gone))} is gone (killed or crashed)" if gone else
                    f"a collective failed or waited longer than --distributed-timeout-minutes {timeout_minutes:g} "
                    f"(a rank on another node stopped or hangs; look at its output): {str(error).splitlines()[0][:200]}")
