@@ -66,16 +66,17 @@ def test_random_kills_never_leave_a_broken_checkpoint_and_resume_exactly(tiny_da
     rng = random.Random(nproc)  # seeded kill moments
     seen = []
     for attempt in range(5 if nproc == 1 else 3):  # each start of 4 processes costs ~10 s on 2 cores
-        # kill after the log line of a random iteration ahead of the last checkpoint, then a random fraction of
-        # a second later: inside the next iteration's step, its save, or the start of another. Waiting for a
-        # line, not a clock, keeps every kill inside the run on a fast machine and a loaded one alike.
+        # kill one iteration's time (measured between two log lines of this start) or less after a log line:
+        # inside the next iteration's step, its save, or the start of another. Waiting for lines, not a fixed
+        # clock, keeps every kill inside the run and a few iterations ahead of the last on any machine.
         done = checkpoint.read_tracker(str(save)) if os.path.exists(checkpoint.tracker_path(str(save))) else 0
-        if done >= iterations - 2:
+        if done >= iterations - 4:
             break  # too near the end for a kill that surely falls inside the run
-        kill_after = rng.randint(done + 1, min(done + 2, iterations - 2))
         job = launch.Job(command(nproc, resumable))
-        job.wait_for(lambda line: (iteration_number(line) or 0) >= kill_after)
-        time.sleep(rng.uniform(0.0, 0.6))
+        job.wait_for(lambda line: (iteration_number(line) or 0) >= done + 1)
+        first = time.monotonic()
+        job.wait_for(lambda line: (iteration_number(line) or 0) >= done + 2)
+        time.sleep(rng.uniform(0.0, time.monotonic() - first))
         kill_the_whole_job(job)
         _, out, _ = job.finish()
         lines = iteration_lines(out)
