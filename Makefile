@@ -32,7 +32,7 @@ train-small:
 	@set -e; PY=$$($(call python_for,$(RUN_IMPORTS),requirements.txt)); mkdir -p $(OUT); \
 	set -x; \
 	rm -rf $(OUT)/checkpoints $(OUT)/tensorboard; \
-	$$PY -m minibert.corpus --output $(OUT)/corpus.txt; \
+	$$PY -m minibert.data.corpus --output $(OUT)/corpus.txt; \
 	$$PY minibert/preprocess.py --input $(OUT)/corpus.txt --output-prefix $(OUT)/corpus \
 	    --vocab-file minibert/vocab/bert-base-uncased-vocab.txt --tokenizer-type BertWordPieceLowerCase \
 	    --split-sentences --workers 2; \

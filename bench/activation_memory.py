@@ -4,7 +4,7 @@
     torchrun --nproc_per_node 2 bench/activation_memory.py --list           # and every saved tensor, by op
     python bench/activation_memory.py                                       # one process: TP 1 only
 
-The layer is built the way the trainer builds it, by minibert.build.build_model (a model with one layer,
+The layer is built the way the trainer builds it, by minibert.training.build.build_model (a model with one layer,
 meta-built, tensor parallelism applied, this rank's shards allocated), in three layouts:
 
     TP 1          the one-process model (every process can build it: no process group is involved)
@@ -34,7 +34,7 @@ import torch.distributed as dist  # noqa: E402
 
 from minibert.config import Config  # noqa: E402
 from minibert.parallel.state import ParallelState  # noqa: E402
-from minibert.build import build_model, set_random_seed  # noqa: E402
+from minibert.training.build import build_model, set_random_seed  # noqa: E402
 
 
 def parse(argv=None):

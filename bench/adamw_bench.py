@@ -1,9 +1,9 @@
 """The optimizer's update (--adam-fusion) against its plain twin, on one GPU, over a real model's buffers.
 
-The model is BERT-large (or BERT-base) in bf16 with the trainer's own optimizer (minibert.optim.build_optimizer:
+The model is BERT-large (or BERT-base) in bf16 with the trainer's own optimizer (minibert.training.optim.build_optimizer:
 its gradient buckets, fp32 masters and moments); `MixedPrecisionOptimizer.update` is timed alone, with
     plain   PyTorch's fused AdamW (grad_scale, found_inf), then the copy of each shard's masters to bf16
-    fused   minibert/kernels/adamw.py: AdamW and the copy in one pass per bucket shard
+    fused   minibert/fast/adamw.py: AdamW and the copy in one pass per bucket shard
 Bytes a parameter: plain 38 (AdamW reads p, g, m, v and writes p, m, v and the divided g; the copy reads p
 and writes 2 bytes), fused 30. Times are medians of triton.testing.do_bench (each update launched from
 Python, as in training; at these sizes the GPU, not the host, sets the pace); the ceiling is a device copy.
@@ -24,12 +24,11 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 
 from minibert.config import Config  # noqa: E402
-
-from minibert.validate import validate  # noqa: E402
 from minibert.kernels import adamw as adamw_kernel  # noqa: E402
-from minibert.model import BertModel  # noqa: E402
-from minibert.build import build_grad_buffers  # noqa: E402
-from minibert.optim import build_optimizer  # noqa: E402
+from minibert.model.bert import BertModel  # noqa: E402
+from minibert.training.build import build_grad_buffers  # noqa: E402
+from minibert.training.optim import build_optimizer  # noqa: E402
+from minibert.validate import validate  # noqa: E402
 
 MODELS = {"BERT-large": (24, 1024, 16), "BERT-base": (12, 768, 12)}
 BYTES = {"torch": 38, "triton": 30}

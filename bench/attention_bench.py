@@ -246,8 +246,8 @@ def run(head_dims=(32, 80, 128)):
 def sweep_short(dropout_p=0.0):
     """Time every short-backward tile at BERT-base's shape (no padding) next to the dq + dkdv pair."""
     from minibert.kernels.flash_attention import attention_forward
-    from minibert.kernels.flash_tiles import TILE_CANDIDATES, pick_tiles
     from minibert.kernels.flash_attention_bwd import backward_into, launch_short
+    from minibert.kernels.flash_tiles import TILE_CANDIDATES, pick_tiles
     if not torch.cuda.is_available():
         raise UsageError("bench/attention_bench.py --sweep-short needs a CUDA GPU")
     q, k, v, do, _ = make_inputs(*BASE, lengths="none")
@@ -278,8 +278,8 @@ def sweep(head_dims=(64,), dropout_p=0.0, lengths="mixed"):
     """Time every candidate tile of each kernel alone (lengths U[256,512], or all 512 with lengths="none");
     print the best per kernel. With dropout_p > 0 every kernel draws the dropout mask (one seed)."""
     from minibert.kernels.flash_attention import attention_forward, prepare_padding
-    from minibert.kernels.flash_tiles import TILE_CANDIDATES, head_dim_block, pick_tiles
     from minibert.kernels.flash_attention_bwd import launch_dkdv, launch_dq
+    from minibert.kernels.flash_tiles import TILE_CANDIDATES, head_dim_block, pick_tiles
     if not torch.cuda.is_available():
         raise UsageError("bench/attention_bench.py --sweep needs a CUDA GPU")
     for d in head_dims:

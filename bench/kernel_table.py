@@ -15,7 +15,6 @@ import torch  # noqa: E402
 from bench import train_bench  # noqa: E402
 from bench.train_bench_data import stream_batches  # noqa: E402
 
-
 SMALL_OPS = ("aten::fill_", "aten::zero_", "aten::ones", "aten::new_ones", "aten::zeros", "aten::copy_",
              "aten::mul_", "aten::add_")
 

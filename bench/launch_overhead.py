@@ -22,11 +22,11 @@ import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+from minibert.fast.layer_norm import dropout_add_layer_norm  # noqa: E402
 from minibert.kernels.flash_attention import attention_forward  # noqa: E402
 from minibert.kernels.flash_attention_varlen import flash_attention_varlen  # noqa: E402
 from minibert.kernels.flash_common import Varlen  # noqa: E402
 from minibert.kernels.flash_tiles import pick_tiles  # noqa: E402
-from minibert.kernels.layer_norm import dropout_add_layer_norm  # noqa: E402
 
 CALLS, REPEATS = 200, 5
 

@@ -12,7 +12,7 @@ import torch  # noqa: E402
 import triton.testing  # noqa: E402
 
 from minibert.config import Config  # noqa: E402
-from minibert.model import BertModel, pretraining_loss  # noqa: E402
+from minibert.model.bert import BertModel, pretraining_loss  # noqa: E402
 
 
 def batch(b, s, vocab, device, generator):

@@ -29,13 +29,13 @@ if __package__ in (None, ""):
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+import minibert.data.batches as batches_module  # noqa: E402
+import minibert.model.bert as model_module  # noqa: E402
+import minibert.train as train_module  # noqa: E402
 from bench import train_bench  # noqa: E402
 from bench.train_bench_data import megatron_batches, stream_batches  # noqa: E402
 from minibert.config import Config  # noqa: E402
-import minibert.batches as batches_module  # noqa: E402
-import minibert.model as model_module  # noqa: E402
-import minibert.train as train_module  # noqa: E402
-from minibert import attention  # noqa: E402
+from minibert.model.bert import attention  # noqa: E402
 from minibert.train import build_model_and_optimizer, train_step  # noqa: E402
 
 VARIANTS = {  # name -> (config overrides, attention through the scatter route, automatic gc off)
@@ -99,9 +99,10 @@ def attention_kernels(device):
     """The varlen kernel against the padded one on the same samples (U[128,512], b32 h16 d64 bf16, dropout
     0.1): forward + backward, ms per call (triton.testing.do_bench, launched from Python)."""
     from triton.testing import do_bench
+
+    from minibert.data.packing import make_packing, to_device
     from minibert.kernels.flash_attention_packed import flash_attention_qkv
     from minibert.kernels.flash_attention_varlen import flash_attention_varlen
-    from minibert.packing import make_packing, to_device
     g = torch.Generator().manual_seed(0)
     lengths = torch.randint(128, 513, (32,), generator=g)
     is_pad = torch.arange(512)[None, :] >= lengths[:, None]

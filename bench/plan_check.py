@@ -4,7 +4,7 @@ trainer's memory line) and time per iteration (the trainer's log line), for BERT
 
     python bench/plan_check.py [--output FILE]        (GPU; ~4 minutes on an H200)
 
-Each configuration runs `python -m minibert.plan ... --nnodes 1 --nproc-per-node 1` and then
+Each configuration runs `python -m minibert.tools.plan ... --nnodes 1 --nproc-per-node 1` and then
 `python minibert/train.py` with the same flags on the long-document corpus for a few iterations. The
 planner's memory counts weights, grads, optimizer and activations (not the CUDA context or allocator
 slack); its time assumes --mfu (default 0.40, an assumption stated in the report)."""
@@ -40,7 +40,7 @@ def main(argv=None):
     work = args.work_dir or tempfile.mkdtemp()
     os.makedirs(work, exist_ok=True)
     corpus = os.path.join(work, "long.txt")
-    python("-m", "minibert.corpus", "--long-documents", "--output", corpus)
+    python("-m", "minibert.data.corpus", "--long-documents", "--output", corpus)
     python("minibert/preprocess.py", "--input", corpus, "--output-prefix", os.path.join(work, "long"),
            "--vocab-file", "minibert/vocab/bert-base-uncased-vocab.txt", "--split-sentences", "--workers", 4)
     data = ["--data-path", os.path.join(work, "long_text_sentence")]
@@ -48,7 +48,7 @@ def main(argv=None):
             "| measured ms/iter | measured / planner | measured MFU |", "|---|---|---|---|---|---|---|---|"]
     for name, flags, iterations, interval in CONFIGS:
         run_flags = flags + COMMON + ["--train-iters", iterations, "--log-interval", interval]
-        plan = python("-m", "minibert.plan", *run_flags, "--nnodes", 1, "--nproc-per-node", 1)
+        plan = python("-m", "minibert.tools.plan", *run_flags, "--nnodes", 1, "--nproc-per-node", 1)
         memory = re.search(r"this run: ([\d.]+) of", plan.stdout)
         step = re.search(r"= step\s+([\d.]+) ms", plan.stdout)
         train = python("minibert/train.py", *run_flags, *data)

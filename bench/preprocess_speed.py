@@ -7,7 +7,7 @@ encode_batch at the same parallelism, on the same text, on this machine.
     python bench/preprocess_speed.py --workers 1 2 4 8 --side-by-side   # what the machine costs
     python bench/preprocess_speed.py --workers 1 8 --copies 100 --no-peer   # minibert alone, faster
 
-What is timed, best of --repeats, on the default corpus (minibert.corpus, real English, 1.1 MB)
+What is timed, best of --repeats, on the default corpus (minibert.data.corpus, real English, 1.1 MB)
 written --copies times over (20: 22 MB), or on --corpus FILE:
   - minibert: the whole `preprocess()` (read, UTF-8/JSON checks, sentence split, WordPiece, write
     .bin/.idx), with and without --split-sentences, at each --workers (pool start-up included), with a
@@ -53,9 +53,9 @@ for _name in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(_name, "1")
 
 from minibert import preprocess as preprocessing  # noqa: E402
-from minibert.indexed_dataset import best_dtype  # noqa: E402
+from minibert.data.indexed_dataset import best_dtype  # noqa: E402
+from minibert.data.tokenizer import DEFAULT_VOCAB_FILE, build_tokenizer  # noqa: E402
 from minibert.preprocess import preprocess  # noqa: E402
-from minibert.tokenizer import DEFAULT_VOCAB_FILE, build_tokenizer  # noqa: E402
 
 HF_PEER = """
 import json, sys, time
@@ -73,7 +73,7 @@ print(json.dumps(min(times)))
 
 def write_corpus(path, copies):
     """The corpus `make train-small` preprocesses, `copies` times over."""
-    from minibert.corpus import default_corpus_documents
+    from minibert.data.corpus import default_corpus_documents
     text = "".join(d + "\n" for d in default_corpus_documents())
     with open(path, "w", encoding="utf-8") as f:
         for _ in range(copies):

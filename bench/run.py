@@ -16,8 +16,14 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 import triton  # noqa: E402
 
-from bench import (adamw_bench, attention_bench, cross_entropy_bench, layer_norm_bench,  # noqa: E402
-                   softmax_bench, train_bench)
+from bench import (  # noqa: E402
+    adamw_bench,
+    attention_bench,
+    cross_entropy_bench,
+    layer_norm_bench,
+    softmax_bench,
+    train_bench,
+)
 from minibert.atomic import atomic_write  # noqa: E402
 
 
@@ -33,9 +39,9 @@ class QuickTraining:
 SECTIONS = [
     ("Fused scale-mask-softmax (minibert/kernels/softmax.py)", softmax_bench),
     ("Flash attention with key padding (minibert/kernels/flash_attention.py)", attention_bench),
-    ("Fused cross entropy (minibert/kernels/cross_entropy.py)", cross_entropy_bench),
-    ("Fused dropout + residual add + LayerNorm (minibert/kernels/layer_norm.py)", layer_norm_bench),
-    ("AdamW and the copy back in one pass (minibert/kernels/adamw.py, --adam-fusion)", adamw_bench),
+    ("Fused cross entropy (minibert/fast/cross_entropy.py)", cross_entropy_bench),
+    ("Fused dropout + residual add + LayerNorm (minibert/fast/layer_norm.py)", layer_norm_bench),
+    ("AdamW and the copy back in one pass (minibert/fast/adamw.py, --adam-fusion)", adamw_bench),
     ("Training throughput (bench/train_bench.py, --quick: 3 warm-up and 8 timed steps per contender)",
      QuickTraining),
 ]

@@ -29,7 +29,7 @@ sys.path.insert(0, ROOT)
 
 import numpy as np  # noqa: E402
 
-from minibert.sample_index import build_sample_index, plain_sample_index  # noqa: E402
+from minibert.data.sample_index import build_sample_index, plain_sample_index  # noqa: E402
 
 
 def megatron_build_mapping():
@@ -68,9 +68,9 @@ def timed(fn, clock):
 
 def stages(bounds, sizes, seq_length, short_seq_prob, seed, min_sentences, repeats):
     """CPU seconds of each step of build_sample_index (best of `repeats`): where the time goes."""
-    from minibert import sample_walk
-    from minibert.fisher_yates import shuffled_order, swap_targets
-    from minibert.sample_index import short_seq_ratio
+    from minibert.data import sample_walk
+    from minibert.data.fisher_yates import shuffled_order, swap_targets
+    from minibert.data.sample_index import short_seq_ratio
     max_seq = seq_length - 3
     cum = np.zeros(len(sizes) + 1, dtype=np.int32)
     np.cumsum(sizes, out=cum[1:], dtype=np.int32)
@@ -115,7 +115,7 @@ def main():
     args = parser.parse_args()
 
     if args.data_path:
-        from minibert.indexed_dataset import IndexedDataset
+        from minibert.data.indexed_dataset import IndexedDataset
         data = IndexedDataset(args.data_path)
         bounds, sizes, what = data.document_indices, data.sequence_lengths, args.data_path
     else:

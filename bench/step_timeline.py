@@ -33,8 +33,8 @@ import minibert.train as train_module  # noqa: E402
 from bench import train_bench  # noqa: E402
 from bench.train_bench_data import stream_batches  # noqa: E402
 from minibert.atomic import atomic_write  # noqa: E402
-from minibert.batches import PrefetchingBatches  # noqa: E402
 from minibert.config import Config  # noqa: E402
+from minibert.data.batches import PrefetchingBatches  # noqa: E402
 
 POINTS = ("start", "batches", "queued", "status", "adam", "end")
 

@@ -26,8 +26,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import tokenizers  # noqa: E402
 
-from minibert.corpus import default_corpus_documents  # noqa: E402
-from minibert.tokenizer import DEFAULT_VOCAB_FILE, BertWordPieceTokenizer  # noqa: E402
+from minibert.data.corpus import default_corpus_documents  # noqa: E402
+from minibert.data.tokenizer import DEFAULT_VOCAB_FILE, BertWordPieceTokenizer  # noqa: E402
 
 
 def best_seconds(run, repeats):

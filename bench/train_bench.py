@@ -13,7 +13,7 @@ torch.cuda.synchronize() calls. Each contender gets a fresh model and a fresh pe
     HF eager     BertForPreTraining (sdpa attention), fp32 weights under autocast bf16, fused AdamW, as
                  the peer setup of docs/measuring.md (no clipping); vocab = minibert's padded vocab, so both run the same matmuls
     HF compiled  the same, forward through torch.compile(model) (skipped on the CPU)
-    minibert, CUDA graphs   minibert with --cuda-graph-impl local (minibert/cuda_graphs.py): each
+    minibert, CUDA graphs   minibert with --cuda-graph-impl local (minibert/fast/cuda_graphs.py): each
                  micro-batch one graph replay; the graphs (one per row count) are captured in a first
                  pass over the timed batches, before the warm-up, a one-time cost like compiling (GPU only)
     minibert, CUDA graphs, --sparse-mlm   the same with the LM head on the masked positions only (sections
@@ -25,7 +25,7 @@ Sections (--sections picks them):
     1  BERT-large s512 b32, full-length batches: every position real, cut from the default corpus's token
        stream as [CLS] A [SEP] B [SEP] windows, 15% of the tokens masked (80% [MASK], 10% random, 10% kept;
        token by token, not Megatron's whole-word n-grams: only the count matters for speed)
-    2  BERT-large s512 b32 on padded batches: Megatron's samples (minibert.masked_lm) from the long-document
+    2  BERT-large s512 b32 on padded batches: Megatron's samples (minibert.data.masked_lm) from the long-document
        corpus and from the default corpus, and synthetic lengths U[128, 512] (padding after the length);
        minibert packed (the default), minibert padded (--no-pack-tokens), minibert packed with CUDA graphs,
        HF eager with the attention mask; then the default corpus again, minibert packed only, at the
@@ -44,7 +44,7 @@ Sections (--sections picks them):
        (skipped on the CPU, where the plain ops run)
 
 Model FLOPs (docs/measuring.md): F = 72 l h^2 + 12 l s h + 6 r (h V + h^2) per token, r = 1, V = the padded vocab,
-with padding only real tokens count and sum(L_i^2) replaces s^2 (minibert.training_log.model_flops: the
+with padding only real tokens count and sum(L_i^2) replaces s^2 (minibert.training.training_log.model_flops: the
 same count for every contender, since they compute the same model). MFU = model FLOP/s / 790e12.
 
     python bench/train_bench.py                      # all sections on the GPU
@@ -69,14 +69,25 @@ if __package__ in (None, ""):
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from bench.train_bench_data import (SEED, length_histogram_notes, mean_real_tokens, megatron_batches,  # noqa: E402
-                                    pinned, prepare_corpus, stream_batches)
-from minibert.batches import PrefetchingBatches, build_data_iterator, build_datasets  # noqa: E402
+from bench.train_bench_data import (  # noqa: E402
+    SEED,
+    length_histogram_notes,
+    mean_real_tokens,
+    megatron_batches,
+    pinned,
+    prepare_corpus,
+    stream_batches,
+)
 from minibert.config import Config  # noqa: E402
-from minibert.validate import validate  # noqa: E402
+from minibert.data.batches import (  # noqa: E402
+    PrefetchingBatches,
+    build_data_iterator,
+    build_datasets,
+)
 from minibert.errors import OneLineArgumentParser, UsageError, exit_on_usage_error  # noqa: E402
-from minibert.training_log import PEAK_FLOPS, batch_flops  # noqa: E402
 from minibert.train import build_model_and_optimizer, train_step  # noqa: E402
+from minibert.training.training_log import PEAK_FLOPS, batch_flops  # noqa: E402
+from minibert.validate import validate  # noqa: E402
 
 DATASHEET_FLOPS = 989e12  # H200 bf16 dense, the datasheet's figure (docs/measuring.md reports both)
 STEPS = {"full": (5, 20), "quick": (3, 8), "tiny": (1, 1)}  # (warm-up, timed) steps; compile needs >= 3 warm-up
@@ -693,9 +704,9 @@ def main(argv=None):
     parser.add_argument("--device", default="cuda", help="cuda (default) or cpu (with --tiny only)")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes, 1 warm-up + 1 timed step (the CPU test)")
     parser.add_argument("--corpus", default=None, help="the default corpus: a .bin/.idx prefix or a text file, "
-                        "one document per line (default: python -m minibert.corpus, preprocessed here)")
+                        "one document per line (default: python -m minibert.data.corpus, preprocessed here)")
     parser.add_argument("--long-corpus", default=None, help="the long-document corpus, likewise (default: "
-                        "minibert.corpus --long-documents where this checkout has it, else the default corpus)")
+                        "minibert.data.corpus --long-documents where this checkout has it, else the default corpus)")
     parser.add_argument("--work-dir", default=None, help="keep the preprocessed corpora here and reuse them "
                         "(default: a temporary directory, removed at the end)")
     parser.add_argument("--output", default=None, help="also write the rows as a markdown section to this file")

@@ -7,16 +7,16 @@ loss_mask [b, s] and is_random [b], with Megatron's conventions: padding_mask 1 
     prepare_corpus     the default or long-document corpus as a .bin/.idx prefix (preprocessed here)
     stream_batches     windows of the corpus's token stream, [CLS] A [SEP] B [SEP], of chosen lengths
                        (all s: full-length batches, no padding at all)
-    megatron_batches   Megatron's samples (minibert.masked_lm) through build_datasets + the DataLoader"""
+    megatron_batches   Megatron's samples (minibert.data.masked_lm) through build_datasets + the DataLoader"""
 import os
 
 import numpy as np
 import torch
 
-import minibert.corpus
-from minibert.batches import BATCH_KEYS, build_data_iterator, build_datasets
+import minibert.data.corpus
 from minibert.config import Config
-from minibert.tokenizer import build_tokenizer
+from minibert.data.batches import BATCH_KEYS, build_data_iterator, build_datasets
+from minibert.data.tokenizer import build_tokenizer
 
 SEED = 1234
 TINY_DOCUMENTS = 300  # --tiny: the first documents of a corpus (the CPU test preprocesses them in ~1 s)
@@ -24,25 +24,25 @@ TINY_DOCUMENTS = 300  # --tiny: the first documents of a corpus (the CPU test pr
 
 def prepare_corpus(kind, given, work_dir, tiny):
     """-> (.bin/.idx prefix, note) of the "default" or "long" corpus. `given`: a prefix (used as is) or a
-    text file, one document per line (preprocessed); None: the corpus is written from minibert.corpus (the
-    long one where this checkout has minibert.corpus.long_corpus_documents, else the default corpus stands
+    text file, one document per line (preprocessed); None: the corpus is written from minibert.data.corpus (the
+    long one where this checkout has minibert.data.corpus.long_corpus_documents, else the default corpus stands
     in) and kept in work_dir as {kind}[-tiny]_text_sentence, which a later run in the same work_dir reuses."""
     if given is not None and os.path.isfile(given + ".idx"):
         return given, given
     out = os.path.join(work_dir, kind + ("-tiny" if tiny else ""))
     if given is not None:
         return preprocess_text(given, out, tiny), given
-    has_long = hasattr(minibert.corpus, "long_corpus_documents")  # python -m minibert.corpus --long-documents
+    has_long = hasattr(minibert.data.corpus, "long_corpus_documents")  # python -m minibert.data.corpus --long-documents
     if kind == "long" and has_long:
-        note = "minibert.corpus --long-documents"
+        note = "minibert.data.corpus --long-documents"
     elif kind == "long":
         note = "no --long-documents corpus in this checkout: the default corpus stands in (pass --long-corpus)"
     else:
-        note = "minibert.corpus, default"
+        note = "minibert.data.corpus, default"
     if os.path.isfile(out + "_text_sentence.idx"):  # written by an earlier run in this work_dir
         return out + "_text_sentence", note
-    documents = (minibert.corpus.long_corpus_documents() if kind == "long" and has_long
-                 else minibert.corpus.default_corpus_documents())
+    documents = (minibert.data.corpus.long_corpus_documents() if kind == "long" and has_long
+                 else minibert.data.corpus.default_corpus_documents())
     if tiny:
         documents = documents[:TINY_DOCUMENTS]
     with open(out + ".txt", "w", encoding="utf-8") as f:
@@ -71,7 +71,7 @@ def stream_batches(prefix, count, micro, seq, device, lengths=None):
     15% of the positions of A and B are masked token by token: 80% [MASK], 10% a random non-special id,
     10% kept (Megatron masks whole-word n-grams; for speed only the count matters). is_random is drawn
     but the parts are not swapped: the sentence order changes no work."""
-    from minibert.indexed_dataset import IndexedDataset
+    from minibert.data.indexed_dataset import IndexedDataset
     tok = build_tokenizer("BertWordPieceLowerCase")
     data = IndexedDataset(prefix)
     n = count * micro
@@ -125,7 +125,7 @@ def mean_real_tokens(batches):
 
 def length_histogram_notes(batches, seq_length, bins=8):
     """The real tokens per sample of the batches as (median, "0-64: n, 64-128: n, ...; x% full"): the
-    length histogram in one table cell (minibert.masked_lm.length_histogram draws the same as bars)."""
+    length histogram in one table cell (minibert.data.masked_lm.length_histogram draws the same as bars)."""
     lengths = np.concatenate([(b["padding_mask"] == 1).sum(1).numpy() for b in batches])
     counts, edges = np.histogram(lengths, bins=bins, range=(0, seq_length))
     cells = ", ".join(f"{lo:.0f}-{hi:.0f}: {n}" for n, lo, hi in zip(counts, edges[:-1], edges[1:]))

@@ -9,7 +9,7 @@
 # so splitting it (TP, PP) would only add communication inside every layer and a pipeline bubble (the
 # planner: 17.9 ms per step against 22.8 ms for TP 2 x PP 2 x DP 2). Data parallelism costs one gradient
 # all-reduce per step, overlapped with the backward (--overlap-grad-reduce). The guide's TP 8 x PP 16
-# needs 128 GPUs and cannot split 24 layers over 16 stages: `python -m minibert.plan` refuses it.
+# needs 128 GPUs and cannot split 24 layers over 16 stages: `python -m minibert.tools.plan` refuses it.
 # Precision: bf16, not the guide's fp16: the same speed on an H200, fp32's exponent range, so no loss
 # scale to find (fp16 skips its first iterations while the scale comes down) and no overflow.
 # Node, launcher and SLURM settings: see examples/launch.sh.

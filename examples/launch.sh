@@ -16,7 +16,7 @@
 #   MASTER_ADDR    node 0's address              MASTER_ADDR, the first host of SLURM_JOB_NODELIST, else localhost
 #   MASTER_PORT    a free port on node 0         MASTER_PORT, else 29500
 # DRY_RUN=1 prints the torchrun command instead of running it, then runs the planner
-# (python -m minibert.plan) with the same flags for the same number of GPUs: no GPU and no data needed.
+# (python -m minibert.tools.plan) with the same flags for the same number of GPUs: no GPU and no data needed.
 # PYTHON / TORCHRUN name the interpreter and launcher (default: python, or python3; torchrun).
 #
 # Not exported, unlike Megatron's script: CUDA_DEVICE_MAX_CONNECTIONS=1. Megatron needs it to order its
@@ -95,7 +95,7 @@ launch() {
         echo "DRY_RUN=1: the launch command on node $node_rank (not run):"
         show "${COMMAND[@]}"
         echo "the planner's report for the same flags (--nnodes $nnodes --nproc-per-node $gpus_per_node):"
-        PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" "$python" -m minibert.plan "${FLAGS[@]}" \
+        PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" "$python" -m minibert.tools.plan "${FLAGS[@]}" \
             --nnodes "$nnodes" --nproc-per-node "$gpus_per_node"
         return
     fi

@@ -49,7 +49,7 @@ class Config:
                               action=argparse.BooleanOptionalAction)
     bias_dropout_fusion: bool = _flag(True, "on a GPU in fp16/bf16, activations of >= 4M elements: dropout + "
                                             "residual add + the next LayerNorm in one Triton kernel "
-                                            "(minibert.kernels.layer_norm; Megatron's flag name, the bias stays "
+                                            "(minibert.fast.layer_norm; Megatron's flag name, the bias stays "
                                             "in the matmul); off: the plain ops",
                                       action=argparse.BooleanOptionalAction)
     residual_layernorm_fusion: bool = _flag(True, "pre-LN: the residual add that ends each layer also computes the "
@@ -61,16 +61,16 @@ class Config:
                                                   "add; off: each layer runs its own LN1",
                                             action=argparse.BooleanOptionalAction)
     cross_entropy_loss_fusion: bool = _flag(True, "on a GPU in fp16/bf16: the LM loss in one Triton kernel that "
-                                                  "reads the logits once (minibert.kernels.cross_entropy; "
+                                                  "reads the logits once (minibert.fast.cross_entropy; "
                                                   "Megatron's flag, there off by default); off: fp32 cast + "
                                                   "F.cross_entropy",
                                             action=argparse.BooleanOptionalAction)
     adam_fusion: bool = _flag(True, "on a GPU: AdamW and the copy of the updated fp32 masters into the 16-bit "
-                                    "weights in one Triton pass (minibert/kernels/adamw.py, 30 bytes a "
+                                    "weights in one Triton pass (minibert/fast/adamw.py, 30 bytes a "
                                     "parameter); off: PyTorch's fused AdamW, then the copy (38 bytes)",
                               action=argparse.BooleanOptionalAction)
     cuda_graph_impl: str = _flag("none", "local: capture each micro-batch's forward + backward as one CUDA graph "
-                                         "per shape and replay it (minibert/cuda_graphs.py; packed rows rounded "
+                                         "per shape and replay it (minibert/fast/cuda_graphs.py; packed rows rounded "
                                          "up to a multiple of --seq-length; TP = PP = 1); none: launch every "
                                          "kernel from Python",
                                  choices=["none", "local", "transformer_engine"])
@@ -109,7 +109,7 @@ class Config:
                                              "as soon as its gradients are ready")
     gradient_accumulation_fusion: bool = _flag(
         False, "the weight-gradient matmul adds into the fp32 main grad itself (no 16-bit .grad, no add "
-               "pass; minibert/linear.py). Megatron's default is on; here off: timed in whole steps, no gain",
+               "pass; minibert/model/linear.py). Megatron's default is on; here off: timed in whole steps, no gain",
         action=argparse.BooleanOptionalAction)
     data_parallel_size: int = field(default=1, metadata=dict(help=None))  # world / (TP x PP), set by validate
     # ---- batch and schedule ----

@@ -81,10 +81,10 @@ if __name__ == "__main__":  # run as the tool: one BLAS thread here too, so its 
 import numpy as np  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
+from minibert.data.indexed_dataset import IndexedDatasetBuilder, best_dtype  # noqa: E402
+from minibert.data.sentence_split import split_sentences as split_into_sentences  # noqa: E402
+from minibert.data.tokenizer import build_tokenizer  # noqa: E402
 from minibert.errors import OneLineArgumentParser, UsageError, exit_on_usage_error  # noqa: E402
-from minibert.indexed_dataset import IndexedDatasetBuilder, best_dtype  # noqa: E402
-from minibert.sentence_split import split_sentences as split_into_sentences  # noqa: E402
-from minibert.tokenizer import build_tokenizer  # noqa: E402
 
 CHUNK_BYTES = 1 << 18  # input per task: a fraction of a second of work (bench/notes-preprocess.md), so 8
                        # workers share even a few MB evenly

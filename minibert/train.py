@@ -23,7 +23,7 @@ Performance: the loop waits for the GPU once per step (the skip decision on a no
 reach the host) and at the log lines. Batches come from pinned memory and are copied without blocking,
 and the next step's are built before that wait, while the GPU still computes (PrefetchingBatches).
 With --cuda-graph-impl local each micro-batch's forward and backward is one CUDA graph replay
-(minibert/cuda_graphs.py): for small models, whose steps are the host's launch time."""
+(minibert/fast/cuda_graphs.py): for small models, whose steps are the host's launch time."""
 import functools
 import gc
 import os
@@ -35,23 +35,47 @@ if __package__ in (None, ""):  # run as a script from a checkout: make `minibert
 
 import torch
 
-from minibert import checkpoint, resume
-from minibert.attention import reads_packed_rows
-from minibert.batches import (BATCH_KEYS, MicroBatchSampler, PrefetchingBatches, build_data_iterator,  # noqa: F401
-                              build_datasets, data_stream, next_micro_batch)
-from minibert.build import (as_chunks, as_state, backend_for, build_model_and_optimizer, build_pipeline,
-                            set_random_seed, tied_embedding)
 from minibert.config import parse_args
-from minibert.cuda_graphs import forward_backward_captured
+from minibert.data.batches import (  # noqa: F401
+    BATCH_KEYS,
+    MicroBatchSampler,
+    PrefetchingBatches,
+    build_data_iterator,
+    build_datasets,
+    data_stream,
+    next_micro_batch,
+)
 from minibert.errors import UsageError, exit_on_usage_error, write_line
-from minibert.model import pretraining_loss
+from minibert.fast.cuda_graphs import forward_backward_captured
+from minibert.model.attention import reads_packed_rows
+from minibert.model.bert import pretraining_loss
 from minibert.parallel import faults
 from minibert.parallel.data_parallel import finalize_model_grads
-from minibert.parallel.pipeline import forward_backward_no_pipelining, forward_backward_pipelining, forward_pipelining
+from minibert.parallel.pipeline import (
+    forward_backward_no_pipelining,
+    forward_backward_pipelining,
+    forward_pipelining,
+)
 from minibert.parallel.state import Launch, ParallelState
-from minibert.profiling import Profiler
-from minibert.training_log import (COUNTS, IntervalStats, TrainingLogger, accuracies, batch_flops,
-                                   reduce_over_data_parallel)
+from minibert.training import checkpoint, resume
+from minibert.training.build import (
+    as_chunks,
+    as_state,
+    backend_for,
+    build_model_and_optimizer,
+    build_pipeline,
+    set_random_seed,
+    tied_embedding,
+)
+from minibert.training.profiling import Profiler
+from minibert.training.training_log import (
+    COUNTS,
+    IntervalStats,
+    TrainingLogger,
+    accuracies,
+    batch_flops,
+    reduce_over_data_parallel,
+)
 from minibert.validate import validate
 
 
@@ -154,7 +178,7 @@ def train_step(model, optimizer, scheduler, data_iterator, cfg, state, pipeline=
     data-parallel group (and the sequence- and pipeline-parallel copies), then the optimizer updates."""
     state = as_state(state)
     chunks = as_chunks(model)
-    grads = [chunk.grad_buffers for chunk in chunks]  # minibert.build.build_grad_buffers
+    grads = [chunk.grad_buffers for chunk in chunks]  # minibert.training.build.build_grad_buffers
     optimizer.zero_grad()
     step = functools.partial(forward_step, cfg=cfg)
     batches = next_batches(data_iterator, cfg, state)

@@ -4,16 +4,16 @@
 device, fills the values derived from it (the preset's sizes, the global batch, the data-parallel size,
 the LR decay length, the vocab size, the CPU fallbacks) and raises a UsageError naming the fix for the
 first problem it finds. It needs no process group, so every rank checks its flags before the first
-collective, and a bad layout exits 2 instead of hanging. minibert.plan lists every layout problem at
+collective, and a bad layout exits 2 instead of hanging. minibert.tools.plan lists every layout problem at
 once and then asks this function about the rest (it refuses exactly what this refuses). Megatron-LM's
 counterpart is `validate_args` in megatron/training/arguments.py, one assert at a time."""
 import math
 import os
 import sys
 
-from minibert.checkpoint import check_save_owner
 from minibert.config import PRESETS, Config, _flag_name, parse_split
 from minibert.errors import UsageError
+from minibert.training.checkpoint import check_save_owner
 
 
 def _warn(message):
@@ -93,7 +93,9 @@ def validate(cfg: Config, world_size: int = 1, device_type: str = "cpu", warn=_w
         raise UsageError("--lr-warmup-fraction and --lr-warmup-iters are exclusive: pick one")
     parse_split(cfg.split)
     if cfg.data_path is not None:
-        from minibert.blended_dataset import parse_data_path  # one prefix, or weights and prefixes
+        from minibert.data.blended_dataset import (
+            parse_data_path,  # one prefix, or weights and prefixes
+        )
         parse_data_path(cfg.data_path)
     _validate_layout(cfg, world_size, warn)
     if cfg.recompute_granularity == "full" and cfg.recompute_method is None:
@@ -120,7 +122,9 @@ def validate(cfg: Config, world_size: int = 1, device_type: str = "cpu", warn=_w
     _validate_save(cfg)
     _validate_for_device(cfg, device_type, warn)
     _validate_cuda_graph(cfg, device_type, warn)
-    from minibert.tokenizer import build_tokenizer  # the vocab's size sizes the embedding
+    from minibert.data.tokenizer import (
+        build_tokenizer,  # the vocab's size sizes the embedding
+    )
     cfg.vocab_size = build_tokenizer(cfg.tokenizer_type, cfg.vocab_file).vocab_size
     return cfg
 
@@ -195,7 +199,7 @@ def _validate_for_device(cfg: Config, device_type: str, warn):
 
 
 def _validate_cuda_graph(cfg: Config, device_type: str, warn):
-    """--cuda-graph-impl local: what a captured micro-batch needs (minibert/cuda_graphs.py says why)."""
+    """--cuda-graph-impl local: what a captured micro-batch needs (minibert/fast/cuda_graphs.py says why)."""
     if cfg.cuda_graph_impl == "transformer_engine":
         raise UsageError("--cuda-graph-impl transformer_engine needs NVIDIA Transformer Engine, which minibert "
                          "does not use: pass --cuda-graph-impl local")

@@ -40,9 +40,9 @@ def tiny_data(tmp_path_factory):
     """Built once per session: 400 documents of the default corpus; a 1.5k-token vocab made of their most
     frequent WordPieces (a cheap LM head for a 2-core machine); the corpus preprocessed with it (sentences),
     and a few documents with the full BERT vocab."""
-    from minibert.corpus import default_corpus_documents
+    from minibert.data.corpus import default_corpus_documents
+    from minibert.data.tokenizer import BertWordPieceTokenizer
     from minibert.preprocess import preprocess
-    from minibert.tokenizer import BertWordPieceTokenizer
     d = tmp_path_factory.mktemp("tiny_data")
     docs = default_corpus_documents()[:400]
     corpus = d / "corpus.txt"
@@ -91,6 +91,7 @@ try:
 except ImportError:
     HAS_TRITON = False
 NEEDS_TRITON = re.compile(r"^(from minibert\.kernels|import minibert\.kernels|from minibert import kernels|"
+                          r"(from|import) minibert\.fast\.(layer_norm|cross_entropy|adamw)|"
                           r"import triton|from triton)\b", re.M)
 LEFT_OUT = []
 

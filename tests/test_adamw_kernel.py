@@ -1,4 +1,4 @@
-"""minibert/kernels/adamw.py (interpreted) against PyTorch's fused AdamW, the optimizer's plain twin.
+"""minibert/fast/adamw.py (interpreted) against PyTorch's fused AdamW, the optimizer's plain twin.
 
 The kernel works on flat buffers: three parameters with padding between them, one decayed, two not,
 updated over five steps with a different divisor each step (the loss scale times clipping's factor) and

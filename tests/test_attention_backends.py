@@ -8,10 +8,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from minibert.attention import attention, resolve_backend
 from minibert.config import Config
 from minibert.errors import UsageError
-from minibert.model import BertModel, pretraining_loss
+from minibert.model.attention import attention, resolve_backend
+from minibert.model.bert import BertModel, pretraining_loss
 
 VOCAB = 100
 

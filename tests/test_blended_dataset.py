@@ -11,19 +11,33 @@ import pytest
 import torch.distributed as dist
 from test_masked_lm import KEYS, MegatronSideTokenizer, write_documents
 
-from minibert.blended_dataset import BlendedDataset, blending_indices, corpus_num_samples, normalize, parse_data_path
+from minibert.data.blended_dataset import (
+    BlendedDataset,
+    blending_indices,
+    corpus_num_samples,
+    normalize,
+    parse_data_path,
+)
+from minibert.data.masked_lm import (
+    BertMaskedLMDataset,
+    build_blended_train_valid_test_datasets,
+    build_train_valid_test_datasets,
+)
+from minibert.data.sentence_split import split_sentences
+from minibert.data.tokenizer import BertWordPieceTokenizer
 from minibert.errors import UsageError
-from minibert.masked_lm import (BertMaskedLMDataset, build_blended_train_valid_test_datasets,
-                                build_train_valid_test_datasets)
-from minibert.sentence_split import split_sentences
-from minibert.tokenizer import BertWordPieceTokenizer
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     from megatron.core.datasets import helpers_cpp
-    from megatron.core.datasets.bert_dataset import BERTMaskedWordPieceDataset, BERTMaskedWordPieceDatasetConfig
-    from megatron.core.datasets.blended_megatron_dataset_builder import (BlendedMegatronDatasetBuilder,
-                                                                         _get_size_per_split_per_dataset)
+    from megatron.core.datasets.bert_dataset import (
+        BERTMaskedWordPieceDataset,
+        BERTMaskedWordPieceDatasetConfig,
+    )
+    from megatron.core.datasets.blended_megatron_dataset_builder import (
+        BlendedMegatronDatasetBuilder,
+        _get_size_per_split_per_dataset,
+    )
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -181,7 +195,7 @@ def test_blend_cache_is_reused(tokenizer, corpora, tmp_path):
 def test_cli_blend_saves_megatrons_rows(process_group, tokenizer, corpora, tmp_path):
     out = tmp_path / "rows.npz"
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    result = subprocess.run([sys.executable, "-m", "minibert.masked_lm", "--data-path", "0.3", corpora[0],
+    result = subprocess.run([sys.executable, "-m", "minibert.data.masked_lm", "--data-path", "0.3", corpora[0],
                              "0.7", corpora[1], "--seq-length", "64", "--seed", "11", "--num-samples", "150",
                              "--split", "98,2,0", "--show", "2", "--lengths", "--save-npz", str(out)],
                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)

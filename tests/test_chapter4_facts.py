@@ -6,14 +6,14 @@ and the data-parallel ranks are simulated by ParallelState(dp=..., rank=...) wit
 import pytest
 import torch
 
-from minibert.batches import MicroBatchSampler
 from minibert.config import Config
-from minibert.validate import validate
-from minibert.model import BertModel
-from minibert.build import build_grad_buffers
-from minibert.optim import build_optimizer
+from minibert.data.batches import MicroBatchSampler
+from minibert.model.bert import BertModel
 from minibert.parallel.data_parallel import DataParallelGrads
 from minibert.parallel.state import ParallelState
+from minibert.training.build import build_grad_buffers
+from minibert.training.optim import build_optimizer
+from minibert.validate import validate
 
 BERT_LARGE_PARAMETERS = 336_297_858
 

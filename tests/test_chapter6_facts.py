@@ -10,11 +10,10 @@ from fractions import Fraction
 import torch
 
 from minibert.config import Config
-
-from minibert.validate import validate
-from minibert.model import BertModel
+from minibert.model.bert import BertModel
 from minibert.parallel import p2p_plan
 from minibert.parallel.schedules import layer_ranges, simulate
+from minibert.validate import validate
 
 PP1, STAGE0, STAGE1 = 2_201_346, 2_062_080, 2_097_154  # the "number of parameters" lines of the runs
 WORD_TABLE = 30_592 * 64  # padded vocab x hidden

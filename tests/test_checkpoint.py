@@ -1,4 +1,4 @@
-"""minibert.checkpoint: Megatron's layout, weights_only loading, atomic writes, clear errors, and checkpoints
+"""minibert.training.checkpoint: Megatron's layout, weights_only loading, atomic writes, clear errors, and checkpoints
 written under older parameter names (tests/data/pre_rename_checkpoint) loading under today's."""
 import os
 import random
@@ -8,13 +8,14 @@ import numpy as np
 import pytest
 import torch
 
-from minibert import checkpoint, reshard, resume
 from minibert.config import Config
 from minibert.errors import UsageError, exit_on_usage_error
-from minibert.model import BertModel
-from minibert.lr_schedule import build_scheduler
-from minibert.build import build_grad_buffers, build_model_and_optimizer
-from minibert.optim import build_optimizer
+from minibert.model.bert import BertModel
+from minibert.tools import reshard
+from minibert.training import checkpoint, resume
+from minibert.training.build import build_grad_buffers, build_model_and_optimizer
+from minibert.training.lr_schedule import build_scheduler
+from minibert.training.optim import build_optimizer
 
 
 def tiny_setup(**overrides):

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from minibert.config import Config
-from minibert.convert import from_hf, read_safetensors, to_hf, write_safetensors
 from minibert.errors import UsageError
-from minibert.model import BertModel
+from minibert.model.bert import BertModel
+from minibert.tools.convert import from_hf, read_safetensors, to_hf, write_safetensors
 
 transformers = pytest.importorskip("transformers")
 

@@ -8,12 +8,22 @@ import sys
 import numpy as np
 import pytest
 
-from minibert.corpus import (LONG_MIN_CHARS, default_corpus_documents, long_corpus_documents,
-                             synthetic_corpus_lines, write_synthetic_corpus, write_text_atomically)
+from minibert.data.corpus import (
+    LONG_MIN_CHARS,
+    default_corpus_documents,
+    long_corpus_documents,
+    synthetic_corpus_lines,
+    write_synthetic_corpus,
+    write_text_atomically,
+)
+from minibert.data.masked_lm import (
+    build_train_valid_test_datasets,
+    length_histogram,
+    sample_lengths,
+)
+from minibert.data.tokenizer import BertWordPieceTokenizer
 from minibert.errors import UsageError
-from minibert.masked_lm import build_train_valid_test_datasets, length_histogram, sample_lengths
 from minibert.preprocess import preprocess
-from minibert.tokenizer import BertWordPieceTokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -58,7 +68,7 @@ def test_default_corpus_is_deterministic(documents, tmp_path):
     assert default_corpus_documents() == documents
     # Another process with another string-hash seed, through the CLI.
     output = tmp_path / "corpus.txt"
-    result = run(["-m", "minibert.corpus", "--output", str(output)], hash_seed="12345")
+    result = run(["-m", "minibert.data.corpus", "--output", str(output)], hash_seed="12345")
     assert result.returncode == 0, result.stderr
     assert output.read_text(encoding="utf-8") == "".join(d + "\n" for d in documents)
     assert f"wrote {len(documents)} documents" in result.stdout
@@ -77,11 +87,11 @@ def test_synthetic_corpus_is_the_course_file(tmp_path):
     assert len(lines) == 2000 and all(10 <= len(line.split()) <= 30 for line in lines)
 
 
-@pytest.mark.parametrize("entry, in_root", [(["-m", "minibert.corpus"], True),
+@pytest.mark.parametrize("entry, in_root", [(["-m", "minibert.data.corpus"], True),
                                              ([os.path.join(ROOT, "minibert", "corpus.py")], False)],
                          ids=["module", "script"])
 def test_cli_synthetic(entry, in_root, tmp_path):
-    """`python -m minibert.corpus` in the checkout; `python path/to/minibert/corpus.py` from anywhere."""
+    """`python -m minibert.data.corpus` in the checkout; `python path/to/minibert/corpus.py` from anywhere."""
     output = tmp_path / "sample.txt"
     result = run([*entry, "--output", str(output), "--synthetic"], cwd=ROOT if in_root else tmp_path)
     assert result.returncode == 0, result.stderr
@@ -90,10 +100,10 @@ def test_cli_synthetic(entry, in_root, tmp_path):
 
 
 def test_cli_usage_errors(tmp_path):
-    result = run(["-m", "minibert.corpus", "--output", str(tmp_path / "missing" / "x.txt"), "--synthetic"])
+    result = run(["-m", "minibert.data.corpus", "--output", str(tmp_path / "missing" / "x.txt"), "--synthetic"])
     assert result.returncode == 2 and "does not exist" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
-    result = run(["-m", "minibert.corpus", "--output", str(tmp_path), "--synthetic"])
+    result = run(["-m", "minibert.data.corpus", "--output", str(tmp_path), "--synthetic"])
     assert result.returncode == 2 and "is a directory" in result.stderr
 
 
@@ -125,11 +135,11 @@ def test_long_corpus_is_the_same_prose_in_long_documents(long_documents, documen
     assert len(inside) > 0.85 * len(documents)
     assert sum(len(d) for d in long_documents) > 0.85 * sum(len(d) for d in prose)
     output = tmp_path / "long.txt"
-    result = run(["-m", "minibert.corpus", "--long-documents", "--output", str(output)], hash_seed="7")
+    result = run(["-m", "minibert.data.corpus", "--long-documents", "--output", str(output)], hash_seed="7")
     assert result.returncode == 0, result.stderr
     assert output.read_text(encoding="utf-8") == "".join(d + "\n" for d in long_documents)
     assert f"wrote {len(long_documents)} long documents" in result.stdout
-    both = run(["-m", "minibert.corpus", "--long-documents", "--synthetic", "--output", str(output)])
+    both = run(["-m", "minibert.data.corpus", "--long-documents", "--synthetic", "--output", str(output)])
     assert both.returncode == 2 and "not allowed with" in both.stderr
 
 

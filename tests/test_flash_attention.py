@@ -10,12 +10,27 @@ import pytest
 import torch
 
 from minibert.errors import UsageError
-from minibert.kernels.dropout import (dropout_mask, dropout_threshold, effective_dropout_p,
-                                      reference_keep_mask)
-from minibert.kernels.flash_attention import attention_forward, attention_reference, flash_attention, prepare_padding
+from minibert.kernels.dropout import (
+    dropout_mask,
+    dropout_threshold,
+    effective_dropout_p,
+    reference_keep_mask,
+)
+from minibert.kernels.flash_attention import (
+    attention_forward,
+    attention_reference,
+    flash_attention,
+    prepare_padding,
+)
 from minibert.kernels.flash_attention_bwd import attention_backward
 from minibert.kernels.flash_common import MASKED
-from minibert.kernels.flash_tiles import FP32_TILES, INTERPRETER_TILES, LONG_FORWARD, TILE_CANDIDATES, Tile
+from minibert.kernels.flash_tiles import (
+    FP32_TILES,
+    INTERPRETER_TILES,
+    LONG_FORWARD,
+    TILE_CANDIDATES,
+    Tile,
+)
 from tests.conftest import run_without_interpreter
 
 

@@ -9,11 +9,11 @@ import torch
 
 import minibert.kernels.flash_attention_varlen as varlen_module
 from minibert.config import Config
+from minibert.data.packing import PACK_BELOW, make_packing
 from minibert.errors import UsageError
 from minibert.kernels.flash_attention import attention_reference
 from minibert.kernels.flash_attention_packed import flash_attention_qkv
 from minibert.kernels.flash_attention_varlen import flash_attention_varlen
-from minibert.packing import PACK_BELOW, make_packing
 from minibert.train import get_batch
 from tests.test_packing import packed_and_padded_runs
 

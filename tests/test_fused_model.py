@@ -1,19 +1,19 @@
 """The model's fused path against its plain twin, on a CPU through the Triton interpreter (conftest).
 
-On a GPU in fp16/bf16 minibert.model sends the loss through kernels/cross_entropy.py and each layer's
+On a GPU in fp16/bf16 minibert.model.bert sends the loss through kernels/cross_entropy.py and each layer's
 dropout + residual add + LayerNorm through kernels/layer_norm.py. Here the choice of path
-(minibert.model.fused_kernels_apply) is patched so that CPU fp32 tensors take it too: this checks the
+(minibert.model.bert.fused_kernels_apply) is patched so that CPU fp32 tensors take it too: this checks the
 wiring the GPU uses (which output feeds what in pre-LN and post-LN layers, the LayerNorm-less add after
 the MLP, the loss through model.lm_cross_entropy) in every `make test`; `make test-gpu` checks the same
 in bf16 and fp16. The kernels run for real; the tests count their calls so a bypassed kernel fails."""
 import pytest
 import torch
 
-import minibert.kernels.cross_entropy as cross_entropy_kernels
-import minibert.kernels.layer_norm as layer_norm_kernels
-import minibert.model as model_module
+import minibert.fast.cross_entropy as cross_entropy_kernels
+import minibert.fast.layer_norm as layer_norm_kernels
+import minibert.model.bert as model_module
 from minibert.config import Config
-from minibert.model import BertModel, pretraining_loss
+from minibert.model.bert import BertModel, pretraining_loss
 
 VOCAB, SEQ, HIDDEN, LAYERS = 200, 16, 32, 2
 

@@ -17,12 +17,17 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from minibert.corpus import default_corpus_documents
+from minibert.data.corpus import default_corpus_documents
+from minibert.data.indexed_dataset import (
+    HEADER,
+    MAGIC,
+    IndexedDataset,
+    IndexedDatasetBuilder,
+)
+from minibert.data.masked_lm import BertMaskedLMDataset, build_train_valid_test_datasets
+from minibert.data.tokenizer import BertWordPieceTokenizer
 from minibert.errors import UsageError
-from minibert.indexed_dataset import HEADER, MAGIC, IndexedDataset, IndexedDatasetBuilder
-from minibert.masked_lm import BertMaskedLMDataset, build_train_valid_test_datasets
 from minibert.preprocess import preprocess
-from minibert.tokenizer import BertWordPieceTokenizer
 
 FUZZ = settings(max_examples=150, deadline=None, derandomize=True, database=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])

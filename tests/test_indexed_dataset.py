@@ -1,4 +1,4 @@
-"""minibert.indexed_dataset against megatron-core 0.16.1's IndexedDataset/IndexedDatasetBuilder (the
+"""minibert.data.indexed_dataset against megatron-core 0.16.1's IndexedDataset/IndexedDatasetBuilder (the
 oracle), the worked example of docs/formats.md written out by hand, and every way a pair can be broken."""
 import os
 import pickle
@@ -9,8 +9,12 @@ import numpy as np
 import pytest
 import torch
 
+from minibert.data.indexed_dataset import (
+    IndexedDataset,
+    IndexedDatasetBuilder,
+    best_dtype,
+)
 from minibert.errors import UsageError
-from minibert.indexed_dataset import IndexedDataset, IndexedDatasetBuilder, best_dtype
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")  # "Transformer Engine and Apex are not installed"

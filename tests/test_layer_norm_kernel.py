@@ -19,9 +19,18 @@ import triton
 import triton.language as tl
 
 from minibert.errors import UsageError
-from minibert.kernels.dropout import dropout_mask, effective_dropout_p, reference_keep_mask
-from minibert.kernels.layer_norm import (Tile, _DropoutAddLayerNorm, dropout_add_layer_norm,
-                                         dropout_add_layer_norm_reference, hidden_dropout_keep_mask)
+from minibert.fast.layer_norm import (
+    Tile,
+    _DropoutAddLayerNorm,
+    dropout_add_layer_norm,
+    dropout_add_layer_norm_reference,
+    hidden_dropout_keep_mask,
+)
+from minibert.kernels.dropout import (
+    dropout_mask,
+    effective_dropout_p,
+    reference_keep_mask,
+)
 
 EPS = 1e-5
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)

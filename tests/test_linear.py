@@ -1,4 +1,4 @@
-"""minibert/linear.py: the written-out backward (bias gradient as a GEMV) against autograd's F.linear.
+"""minibert/model/linear.py: the written-out backward (bias gradient as a GEMV) against autograd's F.linear.
 
 On the CPU `linear` is F.linear itself, so these tests call LinearFunction directly, in float64 (a
 matmul against a sum differs only by rounding there); tests/gpu/test_gpu.py checks it in bf16 on CUDA
@@ -7,7 +7,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from minibert.linear import Linear, LinearFunction, bias_grad, linear, written_out_backward
+from minibert.model.linear import (
+    Linear,
+    LinearFunction,
+    bias_grad,
+    linear,
+    written_out_backward,
+)
 
 
 def grads(fn, x, w, b, dy):
@@ -80,10 +86,10 @@ def test_fused_model_gradients_equal_the_plain_ones():
     """A small BertModel with the trainer's buffers, --gradient-accumulation-fusion on and off: after two
     micro-batches the fp32 main grads agree; with the fusion every Linear weight skipped its .grad."""
     from minibert.config import Config
+    from minibert.model.bert import BertModel
+    from minibert.training.build import build_grad_buffers
+    from minibert.training.optim import build_optimizer
     from minibert.validate import validate
-    from minibert.model import BertModel
-    from minibert.build import build_grad_buffers
-    from minibert.optim import build_optimizer
 
     main_grads, grads_made = [], []
     for fusion in (False, True):

@@ -12,13 +12,21 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from minibert.data.indexed_dataset import IndexedDatasetBuilder
+from minibert.data.masked_lm import (
+    BertMaskedLMDataset,
+    build_train_valid_test_datasets,
+    split_num_samples,
+)
+from minibert.data.mersenne import MT19937_64, mt19937_words
+from minibert.data.sample_index import (
+    build_sample_index,
+    cached_sample_index,
+    split_document_ranges,
+)
+from minibert.data.sentence_split import split_sentences
+from minibert.data.tokenizer import BertWordPieceTokenizer
 from minibert.errors import UsageError
-from minibert.indexed_dataset import IndexedDatasetBuilder
-from minibert.masked_lm import BertMaskedLMDataset, build_train_valid_test_datasets, split_num_samples
-from minibert.mersenne import MT19937_64, mt19937_words
-from minibert.sample_index import build_sample_index, cached_sample_index, split_document_ranges
-from minibert.sentence_split import split_sentences
-from minibert.tokenizer import BertWordPieceTokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KEYS = ("text", "types", "labels", "is_random", "padding_mask", "loss_mask", "truncated")
@@ -26,11 +34,17 @@ KEYS = ("text", "types", "labels", "is_random", "padding_mask", "loss_mask", "tr
 with warnings.catch_warnings():  # megatron-core warns that Apex/Transformer Engine are missing
     warnings.simplefilter("ignore")
     from megatron.core.datasets import helpers_cpp
-    from megatron.core.datasets.bert_dataset import (BERTMaskedWordPieceDataset,
-                                                     BERTMaskedWordPieceDatasetConfig)
-    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.bert_dataset import (
+        BERTMaskedWordPieceDataset,
+        BERTMaskedWordPieceDatasetConfig,
+    )
+    from megatron.core.datasets.blended_megatron_dataset_builder import (
+        BlendedMegatronDatasetBuilder,
+    )
     from megatron.core.datasets.blended_megatron_dataset_config import (
-        convert_split_vector_to_split_matrix, parse_and_normalize_split)
+        convert_split_vector_to_split_matrix,
+        parse_and_normalize_split,
+    )
     from megatron.core.datasets.megatron_tokenizer import MegatronLegacyTokenizer
 logging.getLogger("megatron").setLevel(logging.ERROR)
 
@@ -313,7 +327,7 @@ def test_cache_is_keyed_by_the_data(tmp_path):
 
 
 def test_works_with_a_dataloader(tokenizer, english):
-    from minibert.indexed_dataset import IndexedDataset
+    from minibert.data.indexed_dataset import IndexedDataset
     ds = BertMaskedLMDataset(IndexedDataset(english), tokenizer, seq_length=32, num_samples=10, seed=1)
     batch = next(iter(torch.utils.data.DataLoader(ds, batch_size=4)))
     assert batch["text"].shape == (4, 32) and batch["is_random"].shape == (4,)
@@ -324,7 +338,7 @@ def test_works_with_a_dataloader(tokenizer, english):
 
 def run_cli(*args):
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, "-m", "minibert.masked_lm", *args], cwd=ROOT, env=env,
+    return subprocess.run([sys.executable, "-m", "minibert.data.masked_lm", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=120)
 
 

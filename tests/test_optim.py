@@ -1,4 +1,4 @@
-"""minibert.optim, lr_schedule and loss_scale against their oracles: megatron-core's LR scheduler and loss
+"""minibert.training.optim, lr_schedule and loss_scale against their oracles: megatron-core's LR scheduler and loss
 scaler, PyTorch's AdamW and clip_grad_norm_; plus the fp16 skip / bf16 master-weight behaviour on small models."""
 import io
 import random
@@ -9,13 +9,13 @@ import torch.nn as nn
 
 from minibert.config import Config
 from minibert.errors import UsageError
-from minibert.model import BertModel
-from minibert.loss_scale import DynamicLossScaler
-from minibert.lr_schedule import OptimizerParamScheduler, build_scheduler
-from minibert.optim import MixedPrecisionOptimizer, build_optimizer
-from minibert.build import build_grad_buffers
+from minibert.model.bert import BertModel
 from minibert.parallel.data_parallel import DataParallelGrads, finalize_model_grads
 from minibert.parallel.state import ParallelState
+from minibert.training.build import build_grad_buffers
+from minibert.training.loss_scale import DynamicLossScaler
+from minibert.training.lr_schedule import OptimizerParamScheduler, build_scheduler
+from minibert.training.optim import MixedPrecisionOptimizer, build_optimizer
 
 
 def finalized_step(opt, nonfinite_loss=None):
@@ -27,7 +27,7 @@ def finalized_step(opt, nonfinite_loss=None):
 
 def one_process_optimizer(model, **kwargs):
     """The optimizer over one process's gradient buckets (what build_optimizer makes from a Config);
-    kernel="triton" runs minibert/kernels/adamw.py under the interpreter (conftest sets TRITON_INTERPRET)."""
+    kernel="triton" runs minibert/fast/adamw.py under the interpreter (conftest sets TRITON_INTERPRET)."""
     state = ParallelState()
     return MixedPrecisionOptimizer([DataParallelGrads(model, state)], state, **kwargs)
 
@@ -60,7 +60,9 @@ class Tiny(nn.Module):
     ("linear", 0.1, None), ("cosine", 0.1, None), ("constant", None, 3), ("linear", None, 0),
     ("cosine", 0.013, None)])
 def test_lr_schedule_matches_megatron(style, warmup_fraction, warmup_iters):
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler as MegatronScheduler
+    from megatron.core.optimizer_param_scheduler import (
+        OptimizerParamScheduler as MegatronScheduler,
+    )
     G, decay_iters, train_iters = 16, 100, 130
     cfg = tiny_bert_config(lr=1e-4, min_lr=1e-5, lr_decay_style=style, lr_decay_iters=decay_iters,
                            lr_warmup_fraction=warmup_fraction, lr_warmup_iters=warmup_iters or 0,

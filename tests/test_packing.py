@@ -1,14 +1,19 @@
 """Packed micro-batches (the real tokens as [n, h] rows, trimmed to the longest sample) against the padded
 twin (--no-pack-tokens): the same losses and gradients, with and without --sparse-mlm, pre-LN and
-post-LN, on real samples of the default corpus; and the index bookkeeping of minibert.packing."""
+post-LN, on real samples of the default corpus; and the index bookkeeping of minibert.data.packing."""
 import dataclasses
 
 import pytest
 import torch
 
-from minibert.batches import build_data_iterator, build_datasets
 from minibert.config import Config
-from minibert.packing import gather_rows, make_packing, scatter_rows, trimmed_length
+from minibert.data.batches import build_data_iterator, build_datasets
+from minibert.data.packing import (
+    gather_rows,
+    make_packing,
+    scatter_rows,
+    trimmed_length,
+)
 from minibert.train import build_model_and_optimizer, forward_step, get_batch
 from minibert.validate import validate
 

@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from minibert import checkpoint
+from minibert.training import checkpoint
 from tests import launch
 from tests.conftest import layout_args
 
@@ -68,7 +68,7 @@ def test_stopped_and_resumed_tp2_pp2_with_dropout_logs_the_unbroken_run(tiny_dat
     # one process cannot load it: the message names the converter
     other = launch.run(1, layout_args(tiny_data, tmp_path / "tb3", "--load", tmp_path / "ckpt"), timeout=120)
     errors = launch.error_lines(other.stderr)
-    assert other.returncode == 2 and len(errors) == 1 and "python -m minibert.reshard convert" in errors[0]
+    assert other.returncode == 2 and len(errors) == 1 and "python -m minibert.tools.reshard convert" in errors[0]
 
 
 def test_pipeline_trace_prints_each_send_and_receive(tiny_data, tmp_path_factory, layout_reference):

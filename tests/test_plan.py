@@ -1,4 +1,4 @@
-"""The planner (minibert/plan.py, plan_memory.py, plan_time.py) against the things it models.
+"""The planner (minibert/tools/plan.py, plan_memory.py, plan_time.py) against the things it models.
 
 - parameters: the counts equal the models minibert really builds: BertModel(cfg) on the meta device for
   the total, and build.build_model (tensor parallelism applied, per pipeline stage) for each rank;
@@ -14,13 +14,14 @@ import types
 import pytest
 import torch
 
-from minibert import plan, plan_memory as pm, plan_time
 from minibert.config import Config
 from minibert.errors import UsageError
-from minibert.model import BertModel, TransformerLayer, pretraining_loss
+from minibert.model.bert import BertModel, TransformerLayer, pretraining_loss
 from minibert.parallel import layers as tp_layers
 from minibert.parallel.schedules import simulate
-from minibert.training_log import model_flops
+from minibert.tools import plan, plan_time
+from minibert.tools import plan_memory as pm
+from minibert.training.training_log import model_flops
 from minibert.validate import validate
 
 GUIDE_340M = ("--num-layers 24 --hidden-size 1024 --num-attention-heads 16 --seq-length 512 "
@@ -72,7 +73,7 @@ def fake_state(tp, pp, pp_rank):
                                          decoder_first_pipeline_num_layers=1, tensor_model_parallel_size=2,
                                          bert_no_binary_head=True, sequence_parallel=True)])
 def test_parameters_per_stage_equal_what_build_model_builds(layout, monkeypatch):
-    from minibert.build import build_model
+    from minibert.training.build import build_model
     monkeypatch.setattr(tp_layers, "_size", lambda group: 1 if group is None else group.size)
     monkeypatch.setattr(tp_layers, "_rank", lambda group: 0)
     tp, pp = layout.get("tensor_model_parallel_size", 1), layout["pipeline_model_parallel_size"]

@@ -3,6 +3,7 @@ way Megatron's tools/preprocess_data.py uses it, 1 vs 2 workers, the line rules,
 through the real command line (exit 2, one stderr line, nothing left behind)."""
 import json
 import os
+import pydoc_data.topics
 import signal
 import subprocess
 import sys
@@ -12,16 +13,15 @@ import time
 import warnings
 
 import numpy as np
-import pydoc_data.topics
 import pytest
 from tokenizers import BertWordPieceTokenizer as HFBertWordPiece
 
 import minibert.preprocess as preprocess_module
-from minibert.corpus import default_corpus_documents
-from minibert.indexed_dataset import IndexedDataset
+from minibert.data.corpus import default_corpus_documents
+from minibert.data.indexed_dataset import IndexedDataset
+from minibert.data.sentence_split import split_sentences
+from minibert.data.tokenizer import DEFAULT_VOCAB_FILE, build_tokenizer
 from minibert.preprocess import preprocess
-from minibert.sentence_split import split_sentences
-from minibert.tokenizer import DEFAULT_VOCAB_FILE, build_tokenizer
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")  # "Transformer Engine and Apex are not installed"

@@ -12,8 +12,8 @@ import sys
 
 import pytest
 
-from minibert import plan_memory as pm
 from minibert.config import parse_args
+from minibert.tools import plan_memory as pm
 from minibert.validate import validate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -152,7 +152,7 @@ def test_the_guides_340m_script_is_refused_by_the_planner():
              "--pipeline-model-parallel-size 16 "
              f"--data-path data/my-bert_text_document --vocab-file {VOCAB} --split 949,50,1 --log-interval 100 "
              "--save-interval 10000 --eval-interval 1000 --save ckpt --load ckpt --eval-iters 10 --tensorboard-dir tb")
-    result = subprocess.run([sys.executable, "-m", "minibert.plan", *guide.split(), "--nnodes", "1",
+    result = subprocess.run([sys.executable, "-m", "minibert.tools.plan", *guide.split(), "--nnodes", "1",
                              "--nproc-per-node", "8"], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert result.returncode == 2 and result.stdout == ""
     assert result.stderr.splitlines() == [

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from minibert.config import Config
-from minibert.model import BertModel, pretraining_loss
+from minibert.model.bert import BertModel, pretraining_loss
 from tests import launch
 from tests.conftest import layout_args
 

@@ -1,4 +1,4 @@
-"""Resharding checkpoints (minibert/reshard.py, `python -m minibert.reshard convert`) on CPU.
+"""Resharding checkpoints (minibert/tools/reshard.py, `python -m minibert.tools.reshard convert`) on CPU.
 
 All runs are the layout configuration of tests/conftest.py (fp32, dropout off). The one-process run of 8
 iterations saves at 4 and 8: its iteration 4 is the ground truth every converted source is compared with,
@@ -17,14 +17,15 @@ import sys
 import pytest
 import torch
 
-from minibert import checkpoint, convert, reshard
 from minibert.config import Config
-from minibert.model import BertModel
-from minibert.lr_schedule import build_scheduler
-from minibert.build import build_grad_buffers
-from minibert.optim import build_optimizer
+from minibert.model.bert import BertModel
 from minibert.parallel.data_parallel import finalize_model_grads
 from minibert.parallel.state import ParallelState
+from minibert.tools import convert, reshard
+from minibert.training import checkpoint
+from minibert.training.build import build_grad_buffers
+from minibert.training.lr_schedule import build_scheduler
+from minibert.training.optim import build_optimizer
 from tests import launch
 
 WORD = "embedding.word_embeddings.weight"
@@ -102,7 +103,7 @@ def test_tp2_pp2_to_one_process_and_back_resumes_the_unbroken_run(tiny_data, tmp
                                                                    layout_reference):
     source = saved_run(tiny_data, tmp_path_factory, "tp2-pp2")
     one = tmp_path_factory.mktemp("one") / "ckpt"
-    command = [sys.executable, "-m", "minibert.reshard", "convert", "--load", source, "--save", one,
+    command = [sys.executable, "-m", "minibert.tools.reshard", "convert", "--load", source, "--save", one,
                "--target-tensor-parallel-size", "1", "--target-pipeline-model-parallel-size", "1"]
     result = subprocess.run([str(c) for c in command], capture_output=True, text=True, env=launch.env(),
                             cwd=launch.ROOT, timeout=120)

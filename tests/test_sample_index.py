@@ -6,11 +6,15 @@ import warnings
 import numpy as np
 import pytest
 
-from minibert import sample_walk
+from minibert.data import sample_walk
+from minibert.data.fisher_yates import (
+    megatron_order,
+    shuffled_order,
+    shuffled_order_plain,
+)
+from minibert.data.mersenne import MT19937_64
+from minibert.data.sample_index import build_sample_index, plain_sample_index
 from minibert.errors import UsageError
-from minibert.fisher_yates import megatron_order, shuffled_order, shuffled_order_plain
-from minibert.mersenne import MT19937_64
-from minibert.sample_index import build_sample_index, plain_sample_index
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")  # megatron-core warns that Apex / Transformer Engine are missing

@@ -3,9 +3,9 @@ prints the planner's numbers.
 
 It is executed by nbclient in a kernel started with the interpreter running these tests (not whatever a
 "python3" kernelspec on the machine points at, which may lack minibert's dependencies). It is arithmetic
-on the launch recipes' flags (minibert/plan_memory.py), so it takes seconds on a CPU. Every number it
+on the launch recipes' flags (minibert/tools/plan_memory.py), so it takes seconds on a CPU. Every number it
 prints is checked against the planner itself: each recipe's `DRY_RUN=1` report (the planner run by the
-recipe), and `python -m minibert.plan` (its `main`, in this process) for the variants the notebook draws:
+recipe), and `python -m minibert.tools.plan` (its `main`, in this process) for the variants the notebook draws:
 recompute none / selective / full crossed with ZeRO-1 off / on, local attention, the 4B on 1 to 16 GPUs,
 and the H200 table's planner columns. matplotlib is a test-only extra: without it the test is skipped."""
 import contextlib
@@ -19,10 +19,9 @@ import sys
 import pytest
 
 pytest.importorskip("matplotlib")
+from minibert.tools import plan  # noqa: E402
 from tests import notebooks  # noqa: E402  (skips this module without nbformat, nbclient, ipykernel)
 from tests.notebooks import outputs_of  # noqa: E402
-
-from minibert import plan  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOTEBOOK = os.path.join(ROOT, "notebooks", "scaling_memory.ipynb")
@@ -82,7 +81,7 @@ def recipes():
 
 
 def planner(flags, nnodes, per_node, *extra):
-    """python -m minibert.plan FLAGS --nnodes N --nproc-per-node G EXTRA, in this process: (exit, out, err)."""
+    """python -m minibert.tools.plan FLAGS --nnodes N --nproc-per-node G EXTRA, in this process: (exit, out, err)."""
     out, err = io.StringIO(), io.StringIO()
     code = 0
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):

@@ -15,9 +15,19 @@ import pytest
 
 from minibert.parallel import p2p_plan
 from minibert.parallel.p2p_plan import P2P, CommunicationError, Message
-from minibert.parallel.schedules import (Action, bubble_fraction, check_communication, draw, exchanges,
-                                         layer_ranges, main, num_warmup_micro_batches, schedule, simulate,
-                                         stage_of)
+from minibert.parallel.schedules import (
+    Action,
+    bubble_fraction,
+    check_communication,
+    draw,
+    exchanges,
+    layer_ranges,
+    main,
+    num_warmup_micro_batches,
+    schedule,
+    simulate,
+    stage_of,
+)
 
 
 def configs():

@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from minibert.sentence_split import split_sentences
+from minibert.data.sentence_split import split_sentences
 
 CASES = [
     # plain ends: . ! ? and runs of them

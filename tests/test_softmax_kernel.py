@@ -8,8 +8,13 @@ import warnings
 import pytest
 import torch
 
-from minibert.kernels.softmax import (MAX_ONE_PASS_BLOCK, SoftmaxConfig, default_config,
-                                      fused_scale_mask_softmax, softmax_reference)
+from minibert.kernels.softmax import (
+    MAX_ONE_PASS_BLOCK,
+    SoftmaxConfig,
+    default_config,
+    fused_scale_mask_softmax,
+    softmax_reference,
+)
 from tests.conftest import run_without_interpreter
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)

@@ -31,9 +31,13 @@ import pytest
 from tokenizers import BertWordPieceTokenizer as HFTokenizer
 from tokenizers import decoders
 
-from minibert.corpus import default_corpus_documents
+from minibert.data.corpus import default_corpus_documents
+from minibert.data.tokenizer import (
+    DEFAULT_VOCAB_FILE,
+    BertWordPieceTokenizer,
+    build_tokenizer,
+)
 from minibert.errors import UsageError
-from minibert.tokenizer import DEFAULT_VOCAB_FILE, BertWordPieceTokenizer, build_tokenizer
 
 VOCAB_MD5 = "64800d5d8528ce344256daf115d4965e"  # bert-base-uncased vocab.txt, as published
 

@@ -1,4 +1,4 @@
-"""The trainer end to end on CPU: tiny BERTs trained on a little real English (minibert.corpus) through
+"""The trainer end to end on CPU: tiny BERTs trained on a little real English (minibert.data.corpus) through
 the command line, as a user runs it. A small vocab (the corpus's most frequent WordPieces) keeps the
 LM head cheap enough for a 2-core machine."""
 import json
@@ -10,11 +10,18 @@ import sys
 import pytest
 import torch
 
-from minibert import checkpoint
 from minibert.config import Config
-from minibert.train import (MicroBatchSampler, build_data_iterator, build_datasets, build_model_and_optimizer,
-                            main, train, train_step)
-from minibert.training_log import IntervalStats, TrainingLogger, batch_flops
+from minibert.train import (
+    MicroBatchSampler,
+    build_data_iterator,
+    build_datasets,
+    build_model_and_optimizer,
+    main,
+    train,
+    train_step,
+)
+from minibert.training import checkpoint
+from minibert.training.training_log import IntervalStats, TrainingLogger, batch_flops
 from minibert.validate import validate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -281,7 +288,7 @@ def test_prefetching_gives_the_steps_of_the_plain_iterator_and_reports_running_o
     """train_step with PrefetchingBatches (the trainer's iterator: the next step's batches built before
     the optimizer's host sync) takes the same batches in the same order as with the plain iterator, so
     the losses are equal; the prefetch past the last sample raises nothing, the step that needs it does."""
-    from minibert.batches import PrefetchingBatches
+    from minibert.data.batches import PrefetchingBatches
     from minibert.errors import UsageError
     cfg = one_layer_config(data)
     _, (train_ds, _, _) = build_datasets(cfg)

@@ -11,13 +11,15 @@ import numpy as np
 import pytest
 import torch
 
-from minibert import atomic, checkpoint, reshard
+from minibert import atomic
 from minibert.config import Config
-from minibert.masked_lm import build_train_valid_test_datasets
+from minibert.data.masked_lm import build_train_valid_test_datasets
+from minibert.data.tokenizer import BertWordPieceTokenizer
 from minibert.preprocess import preprocess
-from minibert.tokenizer import BertWordPieceTokenizer
+from minibert.tools import reshard
 from minibert.train import get_batch
 from minibert.train import main as train_main
+from minibert.training import checkpoint
 from tests import launch
 
 ROOT = launch.ROOT
@@ -129,7 +131,7 @@ def test_finetune_and_released_weights_start_at_iteration_0(tiny_data, two_itera
     finetune = launch.run(1, args(tiny_data, "--train-iters", 2, "--bf16", "--load", two_iterations, "--finetune"))
     assert finetune.returncode == 0, finetune.stderr
     assert "at iteration 0" in finetune.stdout and "iteration        1/       2" in finetune.stdout
-    # weights only ("release", as written by minibert.convert from-hf), shape taken from the checkpoint
+    # weights only ("release", as written by minibert.tools.convert from-hf), shape taken from the checkpoint
     model, cfg = reshard.load_model(str(two_iterations))
     release = tmp_path / "release"
     checkpoint.save_weights(str(release), model, cfg)
@@ -153,6 +155,7 @@ def test_a_save_directory_belongs_to_one_run_and_a_failed_save_leaves_nothing(ti
     and no temporary file; a killed save's temporary file goes when the next run starts; --overwrite-save
     starts over."""
     import shutil
+
     from tests.test_faults import kill_the_whole_job
     save = tmp_path / "ckpt"
     shutil.copytree(two_iterations, save)
@@ -230,7 +233,7 @@ def test_a_nan_on_one_tensor_parallel_rank_stops_every_rank(tiny_data, tmp_path)
     state = torch.load(path, weights_only=True)
     state["model"]["lm_head.dense.weight"] = torch.full_like(state["model"]["lm_head.dense.weight"], 3e38)
     entries = {}
-    from minibert.manifest import write_manifest
+    from minibert.training.manifest import write_manifest
     directory = checkpoint.iteration_dir(str(save), 2)
     entries["mp_rank_01/model_optim_rng.pt"] = checkpoint.write_file(path, state)
     import json

@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 
 from minibert.config import Config, build_parser, parse_args
 from minibert.errors import UsageError
-from minibert.loss_scale import DynamicLossScaler
-from minibert.lr_schedule import build_scheduler
-from minibert.model import BertModel
+from minibert.model.bert import BertModel
+from minibert.training.loss_scale import DynamicLossScaler
+from minibert.training.lr_schedule import build_scheduler
 from minibert.validate import RANGES, validate
 from tests import launch
 

@@ -32,7 +32,7 @@ one per 8 keys, this hash) the hash is the fastest; chapter 3, section 4.6 holds
 The hash is not a cryptographic or Crush-tested generator, and dropout does not need one.
 
 The seed of each call (draw_seed) is a Python number drawn from torch's CPU generator, passed to the kernel
-as an argument. Under a CUDA graph (minibert/cuda_graphs.py) that number would be frozen into the graph and
+as an argument. Under a CUDA graph (minibert/fast/cuda_graphs.py) that number would be frozen into the graph and
 every replay would drop the same entries, so while a graph is being captured the seed is drawn on the
 device instead, as a one-element tensor the kernel loads (SEED_IN_MEMORY): the draw is a launch the graph
 records, and torch's CUDA generator gives every replay new numbers.
@@ -44,7 +44,6 @@ import triton
 import triton.language as tl
 
 from minibert.errors import UsageError
-
 
 DROPOUT_LEVELS = 2 ** 31  # p is rounded to a multiple of 2^-31
 MAX_COUNTER = 2 ** 32     # counters (row * width + col) are 32-bit: one stream holds at most 2^32 elements

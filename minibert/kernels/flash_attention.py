@@ -74,11 +74,27 @@ import triton.language as tl
 
 from minibert.errors import UsageError
 from minibert.kernels import interpreting
-from minibert.kernels.dropout import (_dropout_keep, _dropout_keys, check_counter_range, dropout_threshold,
-                                      effective_dropout_p, kernel_seed, seed_in_memory)
+from minibert.kernels.dropout import (
+    _dropout_keep,
+    _dropout_keys,
+    check_counter_range,
+    dropout_threshold,
+    effective_dropout_p,
+    kernel_seed,
+    seed_in_memory,
+)
 from minibert.kernels.flash_attention_bwd import attention_backward
-from minibert.kernels.flash_common import (LOG2_E, _MASKED, _clean_length, _head_rows, _key_bias, _program_block,
-                                           _row_end, grid_layout, strides)
+from minibert.kernels.flash_common import (
+    _MASKED,
+    LOG2_E,
+    _clean_length,
+    _head_rows,
+    _key_bias,
+    _program_block,
+    _row_end,
+    grid_layout,
+    strides,
+)
 from minibert.kernels.flash_tiles import head_dim_block, pick_tiles, register_cap
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)

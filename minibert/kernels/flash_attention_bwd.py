@@ -34,9 +34,23 @@ import torch
 import triton
 import triton.language as tl
 
-from minibert.kernels.dropout import _dropout_keep, _dropout_keys, dropout_threshold, effective_dropout_p, seed_in_memory
-from minibert.kernels.flash_common import (LOG2_E, _clean_length, _head_rows, _key_bias, _program_block, _row_end,
-                                           grid_layout, strides)
+from minibert.kernels.dropout import (
+    _dropout_keep,
+    _dropout_keys,
+    dropout_threshold,
+    effective_dropout_p,
+    seed_in_memory,
+)
+from minibert.kernels.flash_common import (
+    LOG2_E,
+    _clean_length,
+    _head_rows,
+    _key_bias,
+    _program_block,
+    _row_end,
+    grid_layout,
+    strides,
+)
 from minibert.kernels.flash_tiles import head_dim_block, register_cap
 
 

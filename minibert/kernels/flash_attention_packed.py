@@ -1,7 +1,7 @@
 """Flash attention straight from the fused QKV projection, its gradient written back into one buffer.
 
 The model's query_key_value Linear produces qkv [b, s, heads, 3, d] (rows ordered [heads, 3, d]: see
-minibert.model.SelfAttention). The plain route unbinds it into three strided views q, k, v, and autograd
+minibert.model.bert.SelfAttention). The plain route unbinds it into three strided views q, k, v, and autograd
 then pays for that in the backward: the three gradients come back as separate [b, heads, s, d] tensors,
 which the backward of unbind stacks into a new [3, b, heads, s, d] tensor and the backward of the permute
 copies again into the [b, s, heads, 3, d] layout the Linear's backward wants: two extra passes over 3x the
@@ -13,7 +13,12 @@ gradient arrives in the Linear's own layout, no stack, no copy. Same kernels, sa
 import torch
 
 from minibert.kernels.dropout import kernel_seed
-from minibert.kernels.flash_attention import attention_forward, check_inputs, prepare_padding, softmax_scale
+from minibert.kernels.flash_attention import (
+    attention_forward,
+    check_inputs,
+    prepare_padding,
+    softmax_scale,
+)
 from minibert.kernels.flash_attention_bwd import backward_into
 from minibert.kernels.flash_tiles import pick_tiles
 

@@ -1,6 +1,6 @@
 """Flash attention over packed rows ("varlen"): the real tokens only, no [b, s] buffer around attention.
 
-A packed micro-batch (minibert/packing.py) keeps its real tokens as rows [n, h], sample after sample.
+A packed micro-batch (minibert/data/packing.py) keeps its real tokens as rows [n, h], sample after sample.
 Before this kernel, attention still wanted the padded layout: the QKV rows were scattered into a zeroed
 [b, s, 3h] buffer, attention ran there (skipping padded key blocks), and its output was gathered back,
 three passes over activation-sized tensors per layer and direction that the padding does not justify.
@@ -31,7 +31,12 @@ import torch
 from minibert.errors import UsageError
 from minibert.kernels import interpreting
 from minibert.kernels.dropout import kernel_seed
-from minibert.kernels.flash_attention import MAX_HEAD_DIM, SUPPORTED_DTYPES, attention_forward, softmax_scale
+from minibert.kernels.flash_attention import (
+    MAX_HEAD_DIM,
+    SUPPORTED_DTYPES,
+    attention_forward,
+    softmax_scale,
+)
 from minibert.kernels.flash_attention_bwd import backward_into
 from minibert.kernels.flash_common import Varlen
 from minibert.kernels.flash_tiles import pick_tiles

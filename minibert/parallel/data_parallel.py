@@ -39,7 +39,7 @@ Averaging: each bucket is multiplied by 1/DP, then summed by the collective (Meg
 ZeRO-1 (--use-distributed-optimizer). Every bucket is padded to a multiple of DP and cut in DP equal
 shards; rank r owns shard r. The all-reduce becomes a reduce-scatter (rank r receives only the sum of
 shard r: half the bytes of an all-reduce), rank r updates only its shard of the fp32 master weights and
-Adam moments (minibert.optim), and an all-gather of the parameter buffer gives every rank the whole
+Adam moments (minibert.training.optim), and an all-gather of the parameter buffer gives every rank the whole
 updated model:
 
     bytes per parameter:  16-bit param 2 + fp32 grad 4 + fp32 master 4 + Adam m 4 + Adam v 4  = 18
@@ -136,7 +136,7 @@ class DataParallelGrads:
         if self.overlap:  # only then must a gradient be seen the moment it is ready
             for p in self.params:
                 p.register_post_accumulate_grad_hook(self._ready)
-        for p in self.params:  # minibert/linear.py adds these weights' gradients into main_grad itself
+        for p in self.params:  # minibert/model/linear.py adds these weights' gradients into main_grad itself
             p.main_grad_added = self._main_grad_added if gradient_accumulation_fusion else None
         # Where something adds into main_grad before accumulate() runs (the fused weight-gradient matmuls,
         # the overlap hook), the buffers are zeroed eagerly; otherwise the first fold copies (see above).

@@ -13,7 +13,7 @@ attention is (QKV column-parallel by heads, output projection row-parallel): one
 
 Each weight remembers which block of the full tensor it is (partition_dim, partition_index,
 partition_count, full_shape: Megatron's tensor_model_parallel / partition_dim attributes), so the init
-draws the full tensor from its seed and keeps the block (minibert.model.init_parameters), and checkpoint
+draws the full tensor from its seed and keeps the block (minibert.model.bert.init_parameters), and checkpoint
 conversion can reassemble it. A parameter that every rank holds whole (a LayerNorm, a row-parallel bias)
 carries no such mark.
 
@@ -26,12 +26,18 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from minibert.linear import linear
-from minibert.parallel.mappings import (_gather_seq, _rank, _reduce_scatter_seq, _size,
-                                        copy_to_tensor_parallel_region, gather_from_tensor_parallel_region,
-                                        reduce_from_tensor_parallel_region,
-                                        reduce_scatter_to_sequence_parallel_region,
-                                        scatter_to_tensor_parallel_region)
+from minibert.model.linear import linear
+from minibert.parallel.mappings import (
+    _gather_seq,
+    _rank,
+    _reduce_scatter_seq,
+    _size,
+    copy_to_tensor_parallel_region,
+    gather_from_tensor_parallel_region,
+    reduce_from_tensor_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+    scatter_to_tensor_parallel_region,
+)
 
 
 def mark_sharded(param, dim, group, full_shape):
@@ -209,6 +215,6 @@ def vocab_parallel_cross_entropy(logits, labels, group, vocab_start, vocab_size,
     """logits [n, V_padded / p] (this rank's vocab block), labels [n] (-1: ignored) -> loss [n] (fp32),
     the same on every rank of the group; equal to F.cross_entropy over the real vocab. with_correct=True:
     -> (loss, correct bool [n]), correct = the label's logit is the largest of the real vocab
-    (minibert.model.label_is_max on the whole logits), from the max the loss all-reduces anyway."""
+    (minibert.model.bert.label_is_max on the whole logits), from the max the loss all-reduces anyway."""
     loss, correct = _VocabParallelCrossEntropy.apply(logits, labels, group, vocab_start, vocab_size)
     return (loss, correct) if with_correct else loss

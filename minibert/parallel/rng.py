@@ -14,7 +14,7 @@ generators' states go into every checkpoint, so a resumed run drops exactly what
 
 Under CUDA graph capture (--cuda-graph-impl local, tensor-parallel size 1) fork() swaps nothing: a
 generator's state cannot be set while a graph is recorded, and with one TP rank there is no other rank's
-stream to stay apart from. The graph's draws come from torch's CUDA generator (minibert/cuda_graphs.py).
+stream to stay apart from. The graph's draws come from torch's CUDA generator (minibert/fast/cuda_graphs.py).
 
 What production does: Megatron's tracker holds several named CUDA states (one per expert group, ...); we
 need one, for the CPU and the GPU generator alike. Its graph-safe variant registers each state with the

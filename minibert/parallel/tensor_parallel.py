@@ -27,9 +27,18 @@ import functools
 
 import torch.nn as nn
 
-from minibert.parallel.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelDecoder,
-                                      VocabParallelEmbedding, mark_sharded, vocab_parallel_cross_entropy)
-from minibert.parallel.mappings import gather_from_sequence_parallel_region, scatter_to_sequence_parallel_region
+from minibert.parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelDecoder,
+    VocabParallelEmbedding,
+    mark_sharded,
+    vocab_parallel_cross_entropy,
+)
+from minibert.parallel.mappings import (
+    gather_from_sequence_parallel_region,
+    scatter_to_sequence_parallel_region,
+)
 
 PLAN = {
     "embedding.word_embeddings": "vocab",

@@ -13,12 +13,16 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from minibert.config import Config  # noqa: E402
-from minibert.model import BertModel, label_is_max  # noqa: E402
+from minibert.model.bert import BertModel, label_is_max  # noqa: E402
 from minibert.parallel import data_parallel, mappings  # noqa: E402
-from minibert.parallel.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,  # noqa: E402
-                                      vocab_parallel_cross_entropy)
+from minibert.parallel.layers import (  # noqa: E402
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    vocab_parallel_cross_entropy,
+)
 from minibert.parallel.state import ParallelState  # noqa: E402
-from minibert.build import build_model, set_random_seed  # noqa: E402
+from minibert.training.build import build_model, set_random_seed  # noqa: E402
 
 torch.set_num_threads(1)
 tp = int(os.environ["WORLD_SIZE"])

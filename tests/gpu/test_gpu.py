@@ -46,11 +46,11 @@ def test_flash_attention_against_fp32_reference(dtype, s):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
 def test_linear_written_out_backward_equals_autograd(dtype):
-    """minibert.linear on CUDA in 16-bit (bias gradient as a GEMV) against F.linear's autograd, at a
+    """minibert.model.linear on CUDA in 16-bit (bias gradient as a GEMV) against F.linear's autograd, at a
     BERT-large MLP shape."""
     import torch.nn.functional as F
 
-    from minibert.linear import linear, written_out_backward
+    from minibert.model.linear import linear, written_out_backward
     g = torch.Generator(device="cuda").manual_seed(0)
     x, w, b, dy = (torch.randn(*shape, device="cuda", generator=g, dtype=dtype)
                    for shape in ((8, 512, 1024), (4096, 1024), (4096,), (8, 512, 4096)))
@@ -70,13 +70,13 @@ def test_gradient_accumulation_fusion_equals_the_plain_main_grads(dtype):
     """--gradient-accumulation-fusion on CUDA in 16-bit (torch.addmm with out_dtype=float32 into the fp32
     main grad) against the plain .grad + multi-tensor add, over two micro-batches of a small BertModel."""
     from minibert.config import Config
-    from minibert.validate import validate
-    from minibert.linear import Linear
-    from minibert.model import BertModel
-    from minibert.build import build_grad_buffers
-    from minibert.optim import build_optimizer
+    from minibert.model.bert import BertModel
+    from minibert.model.linear import Linear
     from minibert.parallel.data_parallel import finalize_model_grads
     from minibert.parallel.state import ParallelState
+    from minibert.training.build import build_grad_buffers
+    from minibert.training.optim import build_optimizer
+    from minibert.validate import validate
     main_grads = []
     for fusion in (False, True):
         cfg = validate(Config(num_layers=2, hidden_size=256, num_attention_heads=4, seq_length=128,
@@ -104,17 +104,17 @@ def test_gradient_accumulation_fusion_equals_the_plain_main_grads(dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
 def test_adamw_kernel_equals_pytorch_fused_adamw_and_the_copy_back(dtype):
-    """The optimizer's Triton kernel (minibert/kernels/adamw.py, the default on CUDA) against its plain twin,
+    """The optimizer's Triton kernel (minibert/fast/adamw.py, the default on CUDA) against its plain twin,
     PyTorch's fused AdamW then the copy back, over four steps of a small BertModel with clipping and (fp16) a
     dynamic loss scale: the masters agree to fp32 rounding, and the 16-bit weights are the masters rounded
     to nearest, bit for bit (the interpreter's bf16 rounding cannot check that on the CPU)."""
     from minibert.config import Config
-    from minibert.validate import validate
-    from minibert.model import BertModel
-    from minibert.build import build_grad_buffers
-    from minibert.optim import build_optimizer
+    from minibert.model.bert import BertModel
     from minibert.parallel.data_parallel import finalize_model_grads
     from minibert.parallel.state import ParallelState
+    from minibert.training.build import build_grad_buffers
+    from minibert.training.optim import build_optimizer
+    from minibert.validate import validate
     runs = []
     for kernel in ("torch", "triton"):
         cfg = validate(Config(num_layers=2, hidden_size=256, num_attention_heads=4, seq_length=128,
@@ -169,9 +169,13 @@ def test_short_backward_against_fp32_reference_and_the_two_kernels(dtype, dropou
     """s <= 128: the one-kernel backward on the GPU's tiles, in half precision, against fp32 attention
     (without dropout) and against the dq + dkdv pair (with it), padding with a hole included."""
     from minibert.kernels.dropout import dropout_mask, effective_dropout_p
-    from minibert.kernels.flash_attention import attention_forward, attention_reference, prepare_padding
-    from minibert.kernels.flash_tiles import pick_tiles
+    from minibert.kernels.flash_attention import (
+        attention_forward,
+        attention_reference,
+        prepare_padding,
+    )
     from minibert.kernels.flash_attention_bwd import attention_backward, short_block
+    from minibert.kernels.flash_tiles import pick_tiles
     g = torch.Generator(device="cuda").manual_seed(5)
     b, h, s, d = 4, 12, 128, 64
     q, k, v = (torch.randn(b, h, s, d, device="cuda", generator=g, dtype=dtype) for _ in range(3))
@@ -200,9 +204,9 @@ def test_short_backward_against_fp32_reference_and_the_two_kernels(dtype, dropou
                          ids=["two-kernel backward", "short backward"])
 def test_varlen_flash_equals_padded_flash(dtype, lengths, max_len):
     """Packed rows + cu_seqlens give the padded kernels' outputs and gradients bit for bit, with dropout."""
+    from minibert.data.packing import make_packing, to_device
     from minibert.kernels.flash_attention_packed import flash_attention_qkv
     from minibert.kernels.flash_attention_varlen import flash_attention_varlen
-    from minibert.packing import make_packing, to_device
     g = torch.Generator(device="cuda").manual_seed(2)
     is_pad = torch.arange(max_len)[None, :] >= torch.tensor(lengths)[:, None]
     packing = to_device(make_packing(is_pad), torch.device("cuda"))
@@ -232,7 +236,7 @@ def padded_batch(seed, device="cuda"):
 
 def loss_and_grads(model, batch):
     """One forward and backward of the pretraining loss -> (loss, {name: fp32 grad})."""
-    from minibert.model import pretraining_loss
+    from minibert.model.bert import pretraining_loss
     tokens, padding, loss_mask, labels, is_random = batch
     out = model(tokens, padding_mask=padding)
     loss, _, _ = pretraining_loss(out, labels, loss_mask, is_random, cross_entropy=model.lm_cross_entropy)
@@ -244,7 +248,7 @@ def loss_and_grads(model, batch):
 @pytest.mark.parametrize("backend", ["fused", "flash"])
 def test_whole_model_backends_against_local(dtype, backend):
     from minibert.config import Config
-    from minibert.model import BertModel
+    from minibert.model.bert import BertModel
     cfg = Config(num_layers=2, hidden_size=256, num_attention_heads=4, seq_length=256, vocab_size=1000,
                  hidden_dropout=0.0, attention_dropout=0.0)
     batch = padded_batch(0)
@@ -265,8 +269,8 @@ def test_fused_layer_norm_and_cross_entropy_equal_their_plain_twins(dtype, post_
     --residual-layernorm-fusion (the defaults) against all of them off, dropout 0: the same loss and gradients
     up to 16-bit rounding (the LayerNorm's and the loss's fp32 sums run in other orders)."""
     from minibert.config import Config
-    from minibert.model import BertModel
-    monkeypatch.setattr("minibert.model.FUSED_LAYER_NORM_MIN_ELEMENTS", 0)  # this small model fuses too
+    from minibert.model.bert import BertModel
+    monkeypatch.setattr("minibert.model.bert.FUSED_LAYER_NORM_MIN_ELEMENTS", 0)  # this small model fuses too
     batch = padded_batch(2)
     results = {}
     for fused in (True, False):
@@ -286,7 +290,7 @@ def test_the_fused_loss_takes_the_padded_logits_without_a_slice_backward(dtype):
     [rows, padded vocab] output with no slice backward over the padded width (that node fills a zeroed
     padded gradient and copies the real columns into it: 3 ms of a BERT-base step)."""
     from minibert.config import Config
-    from minibert.model import BertModel, pretraining_loss
+    from minibert.model.bert import BertModel, pretraining_loss
     from tests.autograd_graph import backward_nodes
     cfg = Config(num_layers=1, hidden_size=256, num_attention_heads=4, seq_length=256, vocab_size=1000)
     model = BertModel(cfg).cuda().to(dtype)
@@ -305,8 +309,8 @@ def test_fused_hidden_dropout_follows_torch_seed(monkeypatch):
     """With hidden dropout on, the fused kernel's dropout seed comes from torch's generator: the same
     torch.manual_seed gives the same loss and gradients, another seed other ones."""
     from minibert.config import Config
-    from minibert.model import BertModel, pretraining_loss
-    monkeypatch.setattr("minibert.model.FUSED_LAYER_NORM_MIN_ELEMENTS", 0)
+    from minibert.model.bert import BertModel, pretraining_loss
+    monkeypatch.setattr("minibert.model.bert.FUSED_LAYER_NORM_MIN_ELEMENTS", 0)
     g = torch.Generator().manual_seed(3)
     tokens = torch.randint(5, 1000, (8, 128), generator=g).cuda()
     loss_mask = (torch.rand(8, 128, generator=g) < 0.15).cuda().long()
@@ -331,13 +335,14 @@ def test_fused_hidden_dropout_follows_torch_seed(monkeypatch):
 def test_packed_micro_batches_equal_the_padded_twin_on_the_gpu(tmp_path, dtype):
     """Through the trainer's own pieces: the same loss from packed and padded micro-batches (flash, 16-bit)."""
     import dataclasses
-    from minibert.batches import build_data_iterator, build_datasets
+
     from minibert.config import Config
-    from minibert.validate import validate
-    from minibert.corpus import write_default_corpus
+    from minibert.data.batches import build_data_iterator, build_datasets
+    from minibert.data.corpus import write_default_corpus
+    from minibert.data.tokenizer import build_tokenizer
     from minibert.preprocess import preprocess
-    from minibert.tokenizer import build_tokenizer
     from minibert.train import build_model_and_optimizer, forward_step, get_batch
+    from minibert.validate import validate
     write_default_corpus(tmp_path / "c.txt")
     (prefix,) = preprocess(str(tmp_path / "c.txt"), str(tmp_path / "c"), build_tokenizer("BertWordPieceLowerCase"),
                            split_sentences=True, progress=False)
@@ -365,12 +370,12 @@ def run_train(args):
 def test_fp16_resume_mid_window_with_workers_and_flash_dropout_is_exact(tmp_path, graphs):
     """fp16 (the loss scaler inside its growth window), 2 data-loader workers, flash attention with
     in-kernel dropout: a run stopped and resumed logs exactly the unbroken run's lines. With CUDA graphs
-    (minibert/cuda_graphs.py) too: each change of the loss scale captures the graphs again, the warm-up
+    (minibert/fast/cuda_graphs.py) too: each change of the loss scale captures the graphs again, the warm-up
     before a capture draws no random numbers, and the graphs' draws come from the checkpointed CUDA
     generator."""
-    from minibert.corpus import write_default_corpus
+    from minibert.data.corpus import write_default_corpus
+    from minibert.data.tokenizer import build_tokenizer
     from minibert.preprocess import preprocess
-    from minibert.tokenizer import build_tokenizer
     write_default_corpus(tmp_path / "c.txt")
     (prefix,) = preprocess(str(tmp_path / "c.txt"), str(tmp_path / "c"), build_tokenizer("BertWordPieceLowerCase"),
                            split_sentences=True, progress=False)

@@ -1,5 +1,5 @@
 """`make test-gpu`: the fused cross entropy in bf16 and fp16 at BERT's shapes, against the model's plain twin
-minibert.model.lm_cross_entropy (fp32 cast + F.cross_entropy), forward and backward. The CPU suite checks
+minibert.model.bert.lm_cross_entropy (fp32 cast + F.cross_entropy), forward and backward. The CPU suite checks
 the same kernel in the interpreter on small shapes; here the compiled kernel, its chunk loop over a 30k
 vocabulary, the padded-vocab column view and the memory it does not allocate. Skipped without a GPU.
 
@@ -31,8 +31,8 @@ def bert_logits(dtype, vocab, labelled=0.5, seed=0):
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
 @pytest.mark.parametrize("vocab", [30522, 30524])
 def test_matches_lm_cross_entropy_at_bert_shapes(dtype, vocab):
-    from minibert.kernels.cross_entropy import fused_cross_entropy
-    from minibert.model import lm_cross_entropy
+    from minibert.fast.cross_entropy import fused_cross_entropy
+    from minibert.model.bert import lm_cross_entropy
     full, view, labels = bert_logits(dtype, vocab)
     assert view.stride() == (PADDED_V, 1)
     labels[3:100] = view[3:100].float().argmax(dim=1)                # right predictions (lm acc counts them)
@@ -53,8 +53,8 @@ def test_matches_lm_cross_entropy_at_bert_shapes(dtype, vocab):
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
 def test_masked_mean_loss_and_sum_backward(dtype):
     """The way pretraining_loss uses it: sum(ce * mask) / count, and a stride-0 grad from .sum()."""
-    from minibert.kernels.cross_entropy import fused_cross_entropy
-    from minibert.model import lm_cross_entropy
+    from minibert.fast.cross_entropy import fused_cross_entropy
+    from minibert.model.bert import lm_cross_entropy
     _, view, labels = bert_logits(dtype, 30522, labelled=0.15, seed=1)
     mask = (labels != -1).float()
     grads = []
@@ -74,7 +74,7 @@ def test_masked_mean_loss_and_sum_backward(dtype):
 def test_forward_allocates_no_logits_sized_buffer():
     """The plain path's fp32 copy and log-probs are 2 x 500 MB here; the fused forward allocates 3 x n fp32
     and the n accuracy flags (bool)."""
-    from minibert.kernels.cross_entropy import fused_cross_entropy
+    from minibert.fast.cross_entropy import fused_cross_entropy
     _, view, labels = bert_logits(torch.bfloat16, 30522)
     x = view.detach().requires_grad_()
     torch.cuda.synchronize()
@@ -89,7 +89,7 @@ def test_forward_allocates_no_logits_sized_buffer():
 
 def test_bad_label_gives_nan_on_cuda_without_reading_out_of_bounds():
     """CUDA skips the host-side label check (a sync); the kernel masks the load and returns NaN instead."""
-    from minibert.kernels.cross_entropy import fused_cross_entropy
+    from minibert.fast.cross_entropy import fused_cross_entropy
     x = torch.randn(4, 1000, device="cuda", requires_grad=True)
     labels = torch.tensor([3, 1000, -1, -7], device="cuda")
     loss = fused_cross_entropy(x, labels)

@@ -1,4 +1,4 @@
-"""--cuda-graph-impl local on a GPU (minibert/cuda_graphs.py): the kernels' device-drawn seeds, captured
+"""--cuda-graph-impl local on a GPU (minibert/fast/cuda_graphs.py): the kernels' device-drawn seeds, captured
 training against eager training, fresh dropout at every replay. (fp16 recapture and exact resume with
 graphs: test_gpu.py's resume test, parametrized.)"""
 import dataclasses
@@ -11,10 +11,10 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 def test_a_seed_in_device_memory_gives_the_int_seeds_numbers():
     """SEED_IN_MEMORY: every dropout kernel loads a tensor seed and draws what the same int seed draws."""
+    from minibert.fast.layer_norm import dropout_add_layer_norm
     from minibert.kernels.flash_attention import flash_attention
     from minibert.kernels.flash_attention_packed import flash_attention_qkv
     from minibert.kernels.flash_attention_varlen import flash_attention_varlen
-    from minibert.kernels.layer_norm import dropout_add_layer_norm
     torch.manual_seed(0)
     dev = torch.device("cuda")
     as_tensor = torch.tensor([987654], dtype=torch.int64, device=dev)
@@ -47,9 +47,9 @@ def test_a_seed_in_device_memory_gives_the_int_seeds_numbers():
 def test_captured_dropout_draws_new_numbers_at_every_replay():
     """A graph of the flash kernel and the fused LayerNorm with dropout: two replays on the same inputs
     drop different entries (the seeds are drawn inside the graph); without dropout they agree."""
+    from minibert.fast.layer_norm import dropout_add_layer_norm
     from minibert.kernels.dropout import seeds_on_device
     from minibert.kernels.flash_attention_packed import flash_attention_qkv
-    from minibert.kernels.layer_norm import dropout_add_layer_norm
     dev = torch.device("cuda")
     qkv = torch.randn(2, 128, 4, 3, 64, device=dev, dtype=torch.bfloat16)
     res, y = (torch.randn(256, 512, device=dev, dtype=torch.bfloat16) for _ in range(2))
@@ -69,12 +69,12 @@ def test_captured_dropout_draws_new_numbers_at_every_replay():
 
 
 def trainer_pieces(tmp_path, **overrides):
-    from minibert.batches import build_datasets
     from minibert.config import Config
-    from minibert.validate import validate
-    from minibert.corpus import write_default_corpus
+    from minibert.data.batches import build_datasets
+    from minibert.data.corpus import write_default_corpus
+    from minibert.data.tokenizer import build_tokenizer
     from minibert.preprocess import preprocess
-    from minibert.tokenizer import build_tokenizer
+    from minibert.validate import validate
     write_default_corpus(tmp_path / "c.txt")
     (prefix,) = preprocess(str(tmp_path / "c.txt"), str(tmp_path / "c"), build_tokenizer("BertWordPieceLowerCase"),
                            split_sentences=True, progress=False)
@@ -87,8 +87,8 @@ def trainer_pieces(tmp_path, **overrides):
 
 def losses_of(cfg, train_ds, steps, counts=None):
     """-> (each step's lm loss, the graphs captured); each step's accuracy counts appended to `counts`."""
-    from minibert.batches import build_data_iterator
-    from minibert.cuda_graphs import captured_graphs
+    from minibert.data.batches import build_data_iterator
+    from minibert.fast.cuda_graphs import captured_graphs
     from minibert.train import build_model_and_optimizer, train_step
     dev = torch.device("cuda")
     torch.manual_seed(1)
@@ -182,8 +182,9 @@ def test_the_warm_up_puts_fused_main_grads_back(tmp_path):
     """The warm-up itself, on its side stream, with --gradient-accumulation-fusion: the main grads are
     bit-identical afterwards when it is given the optimizer's grads, and moved when it is not."""
     import functools
-    from minibert.batches import build_data_iterator
-    from minibert.cuda_graphs import forward_backward, warm_up
+
+    from minibert.data.batches import build_data_iterator
+    from minibert.fast.cuda_graphs import forward_backward, warm_up
     from minibert.train import build_model_and_optimizer, forward_step, get_batch
     cfg, train_ds = trainer_pieces(tmp_path, bf16=True, gradient_accumulation_fusion=True, cuda_graph_impl="local")
     dev = torch.device("cuda")
@@ -214,8 +215,13 @@ def test_graphs_of_several_shapes_cost_the_memory_of_the_largest(tmp_path):
     smaller shapes' graphs fit in the blocks it freed, and the pool grows by at most a quarter (with a
     stream per capture each graph kept blocks of its own, and the pool grew by each one's temporaries)."""
     import functools
-    from minibert.batches import build_data_iterator
-    from minibert.cuda_graphs import captured_graphs, forward_backward_captured, shape_key
+
+    from minibert.data.batches import build_data_iterator
+    from minibert.fast.cuda_graphs import (
+        captured_graphs,
+        forward_backward_captured,
+        shape_key,
+    )
     from minibert.train import build_model_and_optimizer, forward_step, get_batch
     cfg, train_ds = trainer_pieces(tmp_path, bf16=True, hidden_size=512, micro_batch_size=32,
                                    global_batch_size=32, cuda_graph_impl="local")

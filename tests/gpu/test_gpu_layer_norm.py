@@ -42,8 +42,11 @@ def inputs(shape, dtype):
 @pytest.mark.parametrize("shape", [(16384, 1024), (8, 512, 768)], ids=str)
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
 def test_fused_is_as_close_to_fp32_as_eager(dtype, shape):
-    from minibert.kernels.layer_norm import (dropout_add_layer_norm, dropout_add_layer_norm_reference,
-                                             hidden_dropout_keep_mask)
+    from minibert.fast.layer_norm import (
+        dropout_add_layer_norm,
+        dropout_add_layer_norm_reference,
+        hidden_dropout_keep_mask,
+    )
     leaves, grads = inputs(shape, dtype)
     h = shape[-1]
     keep = hidden_dropout_keep_mask(leaves[0].numel() // h, h, SEED, P, device="cuda").view(shape)
@@ -60,7 +63,7 @@ def test_fused_is_as_close_to_fp32_as_eager(dtype, shape):
 
 def test_backward_is_deterministic():
     """No atomics: the weight gradient is summed in a fixed order, the same bits every run."""
-    from minibert.kernels.layer_norm import dropout_add_layer_norm
+    from minibert.fast.layer_norm import dropout_add_layer_norm
     leaves, grads = inputs((16384, 1024), torch.bfloat16)
     first = run_all(lambda *t: dropout_add_layer_norm(*t, EPS, P, SEED), leaves, grads)
     second = run_all(lambda *t: dropout_add_layer_norm(*t, EPS, P, SEED), leaves, grads)
@@ -71,8 +74,8 @@ def test_gpu_mask_is_attention_dropout_with_one_stream():
     """On the GPU too, the mask is attention dropout's draw with bh = 0, seq_len = h (the CPU suite checks the
     same in the interpreter, the same integer hash), and its rate is 1 - p on a BERT-large
     tensor (6 binomial sigmas)."""
+    from minibert.fast.layer_norm import hidden_dropout_keep_mask
     from minibert.kernels.dropout import dropout_mask, effective_dropout_p
-    from minibert.kernels.layer_norm import hidden_dropout_keep_mask
     assert torch.equal(hidden_dropout_keep_mask(300, 1024, SEED, P, device="cuda"),
                        dropout_mask(1, 1, 1024, SEED, P, device="cuda")[0, 0, :300])
     keep = hidden_dropout_keep_mask(16384, 1024, SEED, P, device="cuda")

@@ -1,6 +1,6 @@
 """Resharding a checkpoint: from the layout it was saved in to any other (TP, PP, interleaved chunks).
 
-    python -m minibert.reshard convert --load DIR --save NEW_DIR --target-tensor-parallel-size T \\
+    python -m minibert.tools.reshard convert --load DIR --save NEW_DIR --target-tensor-parallel-size T \\
         --target-pipeline-model-parallel-size P
 
 (the interleaved and uneven stages have --target-* flags too: --help lists them). load_model below reads
@@ -55,16 +55,16 @@ import sys
 
 import torch
 
-from minibert import checkpoint
 from minibert.atomic import atomic_write, atomic_write_bytes, require_new_directory
 from minibert.config import Config
-from minibert.manifest import write_manifest
 from minibert.errors import OneLineArgumentParser, UsageError, exit_on_usage_error
-from minibert.model import BertModel
-from minibert.optim import _cut
+from minibert.model.bert import BertModel
 from minibert.parallel.rng import TENSOR_PARALLEL_SEED_OFFSET, TensorParallelRNG
 from minibert.parallel.schedules import layer_ranges
 from minibert.parallel.tensor_parallel import PLAN
+from minibert.training import checkpoint
+from minibert.training.manifest import write_manifest
+from minibert.training.optim import _cut
 from minibert.validate import validate
 
 OPTIMIZER_KINDS = ("exp_avg", "exp_avg_sq", "master")  # per parameter, beside the weights ("model")
@@ -271,7 +271,7 @@ def target_file(source, full, carried, cfg, tp_rank, pp_rank) -> dict:
 def load_full_state(directory: str):
     """The whole model of a checkpoint directory of any layout, as one process holds it:
     {"model": the full state dict, "args": its args at TP 1 x PP 1}, or None when there is no tracker.
-    What load_model (and so fill_mask and `python -m minibert.convert to-hf`) reads."""
+    What load_model (and so fill_mask and `python -m minibert.tools.convert to-hf`) reads."""
     if not os.path.isfile(checkpoint.tracker_path(directory)):
         return None
     source = read_source(directory)
@@ -291,7 +291,7 @@ def load_model(checkpoints_dir: str, **overrides):
     state = load_full_state(checkpoints_dir)  # every rank's file gathered into one model (TP 1 x PP 1)
     if state is None:
         raise UsageError(f"{checkpoints_dir} holds no checkpoint (no {checkpoint.TRACKER_FILENAME}): pass a "
-                         "directory written by train.py --save or by python -m minibert.convert from-hf --save")
+                         "directory written by train.py --save or by python -m minibert.tools.convert from-hf --save")
     cfg = config_from_args(state["args"])
     for key, value in overrides.items():
         setattr(cfg, key, value)
@@ -308,7 +308,7 @@ def load_model(checkpoints_dir: str, **overrides):
 def convert(load, save, target_tensor_parallel_size, target_pipeline_model_parallel_size,
             target_num_layers_per_virtual_pipeline_stage=None, target_decoder_first_pipeline_num_layers=None,
             target_decoder_last_pipeline_num_layers=None, warn=None) -> list:
-    """`python -m minibert.reshard convert`: the latest checkpoint in `load`, resharded into the new
+    """`python -m minibert.tools.reshard convert`: the latest checkpoint in `load`, resharded into the new
     directory `save`. Every check runs before the first write; the files are written atomically and the
     tracker last. Returns the paths written."""
     warn = warn or (lambda m: print(f"warning: {m}", file=sys.stderr, flush=True))
@@ -347,8 +347,8 @@ def convert(load, save, target_tensor_parallel_size, target_pipeline_model_paral
 # ---------------------------------------------------------------- the command line
 @exit_on_usage_error
 def main(argv=None):
-    """`python -m minibert.reshard convert --load DIR --save DIR2 --target-...`: convert() above."""
-    parser = OneLineArgumentParser(prog="python -m minibert.reshard", allow_abbrev=False,
+    """`python -m minibert.tools.reshard convert --load DIR --save DIR2 --target-...`: convert() above."""
+    parser = OneLineArgumentParser(prog="python -m minibert.tools.reshard", allow_abbrev=False,
                                    description="Reshard minibert checkpoints between parallel layouts.")
     commands = parser.add_subparsers(dest="command", required=True)
     command = commands.add_parser("convert", allow_abbrev=False, help="reshard a checkpoint to another "

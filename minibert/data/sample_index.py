@@ -23,12 +23,12 @@ needs an A and a B part, else 1:
 
 Whole epochs over the documents are walked until there are at least num_samples rows (checked only when an
 epoch starts; every row is kept, so len(index) can exceed num_samples), then the rows are shuffled by
-Fisher-Yates with std::mt19937_64(seed + 1). Both generators come from minibert.mersenne.
+Fisher-Yates with std::mt19937_64(seed + 1). Both generators come from minibert.data.mersenne.
 
 Two implementations, one result: `plain_sample_index` below is the walk written as the rule reads, one
 Python step per row (the one to read first); `build_sample_index`, the one every dataset uses, gets the
-same rows from whole-array numpy operations (the numpy walk: minibert/sample_walk.py,
-minibert/fisher_yates.py), with Python only where a short target changes the rows. Tests check that the
+same rows from whole-array numpy operations (the numpy walk: minibert/data/sample_walk.py,
+minibert/data/fisher_yates.py), with Python only where a short target changes the rows. Tests check that the
 two give the same array, and the same as Megatron's C++.
 
 Also here: how --split cuts the documents into train/valid/test ranges (each range gets its own index, with
@@ -47,9 +47,9 @@ import numpy as np
 
 from minibert.atomic import atomic_write
 from minibert.config import parse_split
+from minibert.data.fisher_yates import megatron_order
+from minibert.data.sample_walk import walk
 from minibert.errors import UsageError
-from minibert.fisher_yates import megatron_order
-from minibert.sample_walk import walk
 
 SPLIT_NAMES = ("train", "valid", "test")
 LONG_SENTENCE_LEN = 512  # helpers.cpp's constant: a document with a longer sentence is skipped
@@ -115,7 +115,7 @@ def build_sample_index(document_indices, sequence_lengths, *, num_samples, seq_l
 
     Returns np.uint32 [rows, 3] of (first sentence, end sentence, target length); rows >= num_samples.
     Where Megatron would loop forever (an epoch that yields no row), raises UsageError instead.
-    The same array as plain_sample_index, from whole-array operations (minibert/sample_walk.py)."""
+    The same array as plain_sample_index, from whole-array operations (minibert/data/sample_walk.py)."""
     check_seed(seed)
     max_seq = _max_seq(seq_length)
     bounds = np.asarray(document_indices, dtype=np.int64)

@@ -2,7 +2,7 @@
 
 Every count here follows the shapes minibert's BertModel really has (model.py), split the way
 tensor_parallel.py splits them and cut into stages the way schedules.layer_ranges cuts them. The
-planner (minibert/plan.py) prints them; tests/test_plan.py checks the parameter counts against models
+planner (minibert/tools/plan.py) prints them; tests/test_plan.py checks the parameter counts against models
 built on the meta device and the activation formula against the tensors autograd really saves.
 
 Parameters (h hidden, f FFN width, V_p the padded vocab, P positions, t = TP):

@@ -39,10 +39,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from minibert.attention import attention_qkv, reads_packed_rows, resolve_backend
-from minibert.init_weights import init_parameters  # noqa: F401 (BertModel's init; re-exported)
-from minibert.linear import Linear, linear
-from minibert.packing import gather_rows, scatter_rows
+from minibert.data.packing import gather_rows, scatter_rows
+from minibert.model.attention import attention_qkv, reads_packed_rows, resolve_backend
+from minibert.model.init_weights import init_parameters  # noqa: F401 (BertModel's init; re-exported)
+from minibert.model.linear import Linear, linear
 
 BertOutput = namedtuple("BertOutput", ["lm_logits", "binary_logits", "hidden"])
 NUM_TOKEN_TYPES = 2  # sentence A / sentence B
@@ -110,7 +110,7 @@ class SelfAttention(nn.Module):
     so any contiguous block of rows holds whole heads with their q, k and v together. Tensor parallelism
     can then split this Linear by plain column blocks (rank r gets heads [r*n/p, (r+1)*n/p)) and every rank
     runs attention on its own heads without communicating: the reshapes below take the head count from
-    the tensor (-1), never from the config. (HF keeps separate query/key/value matrices; minibert.convert
+    the tensor (-1), never from the config. (HF keeps separate query/key/value matrices; minibert.tools.convert
     interleaves them.)
 
     `rng_context` wraps the attention (its dropout draws random numbers): a no-op here; tensor parallelism
@@ -143,7 +143,7 @@ class SelfAttention(nn.Module):
     def core(self, qkv, padding_mask, backend, dropout_p, packing=None):
         """softmax(q k^T / sqrt(d)) v for every head: qkv [b, s, 3hd] -> [b, s, hd], or packed [n, 3hd] -> [n, hd].
         Packed rows go straight to the varlen flash kernel; the other backends want the padded layout, so
-        the rows are scattered into it and gathered back (minibert.packing)."""
+        the rows are scattered into it and gathered back (minibert.data.packing)."""
         if packing is not None and reads_packed_rows(backend):
             from minibert.kernels.flash_attention_varlen import flash_attention_varlen
             n = qkv.shape[0]
@@ -178,7 +178,7 @@ class TransformerLayer(nn.Module):
     megatron-core's TransformerLayer (Megatron's legacy model: input_layernorm / post_attention_layernorm; HF
     post-LN: attention.output.LayerNorm / output.LayerNorm). Post-LN keeps the names, though there each one
     normalises after its residual add. They were attention_layernorm / mlp_layernorm up to commit 9d2e13f:
-    checkpoints of those days load through minibert.checkpoint.rename_old_keys."""
+    checkpoints of those days load through minibert.training.checkpoint.rename_old_keys."""
 
     def __init__(self, config):
         super().__init__()
@@ -197,13 +197,13 @@ class TransformerLayer(nn.Module):
 
         On a GPU in fp16/bf16 (and --bias-dropout-fusion, the default), for tensors of at least
         FUSED_LAYER_NORM_MIN_ELEMENTS, one Triton kernel does all three, reading x and y once and writing
-        the sum and its normalised copy (minibert.kernels.layer_norm; its dropout hashes each element's
+        the sum and its normalised copy (minibert.fast.layer_norm; its dropout hashes each element's
         position under a seed taken from torch's generator, so the dropped entries differ from F.dropout's, not
         their distribution). Everywhere else: the plain ops, its twin."""
         p = self.dropout if self.training else 0.0
         with self.rng_context():
             if self.fused and fused_kernels_apply(x) and x.numel() >= FUSED_LAYER_NORM_MIN_ELEMENTS:
-                from minibert.kernels.layer_norm import dropout_add_layer_norm
+                from minibert.fast.layer_norm import dropout_add_layer_norm
                 weight, bias = (None, None) if layernorm is None else (layernorm.weight, layernorm.bias)
                 eps = 0.0 if layernorm is None else layernorm.eps
                 return dropout_add_layer_norm(x, y, weight, bias, eps, p, None)
@@ -244,7 +244,7 @@ class TiedDecoder(nn.Module):
     kernels), and the padded columns are then cut off as a view, so the softmax/CE only ever covers the real
     vocab: the padding can never change the loss, whatever its rows hold. (The fused loss hands its
     gradient to the padded logits directly, so the view costs no copy in the backward either:
-    minibert.kernels.cross_entropy._padded_base. That needs the padded logits to be a tensor autograd
+    minibert.fast.cross_entropy._padded_base. That needs the padded logits to be a tensor autograd
     tracks: the matmul runs on 2-D rows, whose [rows, padded vocab] product is the linear's own output. A
     3-D input would come back as a view of a 2-D product made inside linear's autograd Function, which
     autograd does not track, and the backward would copy the whole gradient again.) Tensor parallelism
@@ -257,7 +257,7 @@ class TiedDecoder(nn.Module):
 
     def forward(self, x, weight, bias):
         # [rows, h] @ [h, padded vocab] -> [rows, padded vocab]; the tied table also gets the embedding's
-        # gradient, so its gradient is not fused into main_grad (minibert/linear.py)
+        # gradient, so its gradient is not fused into main_grad (minibert/model/linear.py)
         logits = linear(x.reshape(-1, x.shape[-1]), weight, bias, fuse_weight_grad=False)
         return logits.view(*x.shape[:-1], -1)[..., :self.vocab_size]  # the real vocab, a view: then padding
 
@@ -327,10 +327,10 @@ def lm_cross_entropy(logits, labels, fused=False, with_correct=False):
     masked-LM accuracy counts.
 
     fused=True (--cross-entropy-loss-fusion, the default) on a GPU with 16-bit logits: one Triton kernel
-    that reads the logits once and never makes their fp32 copy (minibert.kernels.cross_entropy), the same
+    that reads the logits once and never makes their fp32 copy (minibert.fast.cross_entropy), the same
     numbers up to the order of fp32 sums (and the same correct flags); the lines below are its plain twin."""
     if fused and fused_kernels_apply(logits):
-        from minibert.kernels.cross_entropy import fused_cross_entropy
+        from minibert.fast.cross_entropy import fused_cross_entropy
         return fused_cross_entropy(logits, labels, with_correct=with_correct)
     logits = logits.float()
     loss = F.cross_entropy(logits, labels, ignore_index=-1, reduction="none")
@@ -380,7 +380,7 @@ class BertModel(nn.Module):
 
     def embed(self, tokens, types=None, packing=None):
         """First stage: tokens, types [b, s] -> x [b, s, h] (sequence parallel: [b, s / TP, h]; packed:
-        the real tokens' rows [n, h], minibert.packing)."""
+        the real tokens' rows [n, h], minibert.data.packing)."""
         x = self.embedding(tokens, types)
         return self.to_layers(x if packing is None else gather_rows(x, packing))
 
@@ -441,7 +441,7 @@ class BertModel(nn.Module):
                 lm_rows=None):
         """tokens, types int64 [b, s]; padding_mask bool [b, s] (True = padding); lm_mask bool [b, s]: with
         config.sparse_mlm, only these positions go through the LM head (lm_logits [n, vocab], row-major).
-        packing (minibert.packing): run the real tokens packed; lm_logits then has one row per real token
+        packing (minibert.data.packing): run the real tokens packed; lm_logits then has one row per real token
         (or per lm_rows entry), hidden is [n, h]. A stage without the embedding takes the previous stage's
         output as hidden_states; a stage without the heads returns its hidden states instead of a BertOutput."""
         x = self.embed(tokens, types, packing) if self.pre_process else hidden_states

@@ -1,7 +1,7 @@
 """HuggingFace <-> minibert weights: `from_hf(hf_dir) -> BertModel`, `to_hf(model, out_dir)`, and a CLI:
 
-    python -m minibert.convert to-hf --load CKPT_DIR --output OUT    a minibert checkpoint -> a HF model folder
-    python -m minibert.convert from-hf HF_DIR --save DIR            a HF model folder -> minibert released weights
+    python -m minibert.tools.convert to-hf --load CKPT_DIR --output OUT    a minibert checkpoint -> a HF model folder
+    python -m minibert.tools.convert from-hf HF_DIR --save DIR            a HF model folder -> minibert released weights
 
 Two HF architectures match minibert's two layouts exactly (same math, only names and shapes differ):
   - BERT (model_type "bert")                  <-> post_ln=True  (embedding LayerNorm, LN after each add)
@@ -16,7 +16,7 @@ A head the checkpoint lacks is built fresh with minibert's own init (one warning
 encoder is pretrained, the head is not, until you train it.
 
 Weight map ({i}: layer index; [pre] / [post]: only that layout; LN1 / LN2: input_layernorm /
-pre_mlp_layernorm of minibert.model.TransformerLayer):
+pre_mlp_layernorm of minibert.model.bert.TransformerLayer):
 
 | minibert | HF BERT | HF MegatronBERT | note |
 |---|---|---|---|
@@ -42,7 +42,7 @@ import: the model never reads them. HF ties cls.predictions.decoder to the word 
 is not stored. LayerNorm eps travels as HF's layer_norm_eps <-> config.layernorm_epsilon (HF BERT: 1e-12).
 
 Weights are read from model.safetensors (a sharded model.safetensors.index.json too) or pytorch_model.bin
-(torch.load with weights_only=True: a downloaded file never runs code). minibert/safetensors_format.py
+(torch.load with weights_only=True: a downloaded file never runs code). minibert/tools/safetensors_format.py
 reads and writes the safetensors format itself."""
 import argparse
 import json
@@ -55,8 +55,8 @@ import torch
 from minibert.atomic import atomic_write_bytes, require_new_directory
 from minibert.config import Config
 from minibert.errors import OneLineArgumentParser, UsageError, exit_on_usage_error
-from minibert.model import BertModel
-from minibert.safetensors_format import read_safetensors, write_safetensors  # noqa: F401  (their old home)
+from minibert.model.bert import BertModel
+from minibert.tools.safetensors_format import read_safetensors, write_safetensors  # noqa: F401  (their old home)
 
 # minibert name prefix -> (BERT prefix, MegatronBERT prefix); None = not in that layout
 TOP_LEVEL = {
@@ -169,7 +169,7 @@ def to_hf(model: BertModel, out_dir: str, tokenizer=None, max_shard_size: int = 
     """Write config.json + the weights that transformers' from_pretrained loads (BertForPreTraining for
     post-LN, MegatronBertForPreTraining for pre-LN; *ForMaskedLM without the SOP head): model.safetensors,
     or shards and their index above max_shard_size bytes. With a tokenizer
-    (minibert.tokenizer.BertWordPieceTokenizer), also the files AutoTokenizer reads. Returns the files."""
+    (minibert.data.tokenizer.BertWordPieceTokenizer), also the files AutoTokenizer reads. Returns the files."""
     require_new_directory(out_dir, "--output")
     cfg = model.config
     tensors = {}
@@ -335,7 +335,7 @@ def _write_json(path: str, data: dict) -> None:
 # ---- the command line ----
 def hf_to_checkpoint(hf_dir: str, save_dir: str) -> str:
     """from-hf: HF_DIR -> SAVE/release/mp_rank_00/model_optim_rng.pt (+ SAVE/vocab.txt when HF_DIR has one)."""
-    from minibert.checkpoint import save_weights
+    from minibert.training.checkpoint import save_weights
     require_new_directory(save_dir, "--save")  # never over a training run's checkpoints and tracker
     model = from_hf(hf_dir)
     cfg = model.config
@@ -351,7 +351,7 @@ def hf_to_checkpoint(hf_dir: str, save_dir: str) -> str:
 
 def checkpoint_to_hf(load_dir: str, out_dir: str, max_shard_size: int = MAX_SHARD_SIZE) -> list:
     """to-hf: a minibert checkpoint directory -> OUT with config, weights and tokenizer files."""
-    from minibert.fill_mask import load_checkpoint_model, tokenizer_for_checkpoint
+    from minibert.tools.fill_mask import load_checkpoint_model, tokenizer_for_checkpoint
     require_new_directory(out_dir, "--output")  # before the checkpoint is read
     model, cfg = load_checkpoint_model(load_dir)
     return to_hf(model, out_dir, tokenizer=tokenizer_for_checkpoint(load_dir, cfg), max_shard_size=max_shard_size)
@@ -359,7 +359,7 @@ def checkpoint_to_hf(load_dir: str, out_dir: str, max_shard_size: int = MAX_SHAR
 
 @exit_on_usage_error
 def main(argv=None):
-    parser = OneLineArgumentParser(prog="python -m minibert.convert", description=__doc__.split("\n\n")[0],
+    parser = OneLineArgumentParser(prog="python -m minibert.tools.convert", description=__doc__.split("\n\n")[0],
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
     to = commands.add_parser("to-hf", help="a minibert checkpoint -> a HuggingFace model folder")

@@ -12,7 +12,7 @@ The update (decoupled weight decay, as torch.optim.AdamW and Megatron's 'adam'),
     p  = p - lr / (1 - b1^t) x m / (sqrt(v) / sqrt(1 - b2^t) + eps)
     p16 = p rounded to the model's dtype     (16-bit runs only: the weights the next forward reads)
 
-The plain twin (minibert.optim with kernel="torch", and every CPU run) is PyTorch's fused AdamW, one
+The plain twin (minibert.training.optim with kernel="torch", and every CPU run) is PyTorch's fused AdamW, one
 multi-tensor kernel, then one copy per bucket. Bytes per parameter, fp32 unless said:
 
     torch fused AdamW   read p, g, m, v (16); write p, m, v (12), and g (4): with a grad_scale it

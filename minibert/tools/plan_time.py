@@ -38,9 +38,9 @@ OPTIMIZER_BYTES of HBM traffic per parameter it updates.
 Left out: data loading, kernel launch gaps, stragglers, the padding of real batches (a padded position
 costs the same in the matmuls; the trainer's model FLOPs count only real tokens, so its logged MFU is
 lower than this estimate's on padded data)."""
-from minibert import plan_memory as pm
 from minibert.parallel.data_parallel import DEFAULT_BUCKET_SIZE
 from minibert.parallel.schedules import bubble_fraction
+from minibert.tools import plan_memory as pm
 
 # The hardware model: one H200 and its links; each default with where it comes from.
 HARDWARE = {

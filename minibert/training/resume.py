@@ -1,6 +1,6 @@
 """Resuming: what a loaded checkpoint must agree with, and how it is put back into a run.
 
-A checkpoint (minibert.checkpoint) is only resumed into the run it came from. Before anything is loaded
+A checkpoint (minibert.training.checkpoint) is only resumed into the run it came from. Before anything is loaded
 the saved arguments are compared with the flags:
 
     model shape     --num-layers, --hidden-size, ... the vocab   another shape cannot hold these weights
@@ -48,7 +48,7 @@ def set_rng_state(state: dict):
 
 
 # ---- what must agree ----
-CONVERT_HINT = ("convert it with python -m minibert.reshard convert --load DIR --save NEW_DIR "
+CONVERT_HINT = ("convert it with python -m minibert.tools.reshard convert --load DIR --save NEW_DIR "
                 "--target-tensor-parallel-size T --target-pipeline-model-parallel-size P, or resume with the "
                 "checkpoint's layout")
 LAYOUT_ARGS = ["tensor_model_parallel_size", "pipeline_model_parallel_size",

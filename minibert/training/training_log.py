@@ -153,7 +153,9 @@ class TrainingLogger:
         self.memory_reported = False
         self.writer = None
         if cfg.tensorboard_dir and self.printing:
-            from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
+            from torch.utils.tensorboard import (
+                SummaryWriter,  # needs the tensorboard package
+            )
             self.writer = SummaryWriter(log_dir=cfg.tensorboard_dir, max_queue=1000)
 
     def print(self, line):

@@ -1,6 +1,6 @@
 """The planner: will this layout run, what does each GPU hold, and about how long is a step?
 
-    python -m minibert.plan [the trainer's flags] --nnodes N --nproc-per-node G [hardware flags]
+    python -m minibert.tools.plan [the trainer's flags] --nnodes N --nproc-per-node G [hardware flags]
 
 It takes exactly the flags minibert/train.py takes (the same parser, plus the launch and hardware
 flags) and checks them exactly as the trainer will on N x G GPUs, with
@@ -27,17 +27,17 @@ import os
 import sys
 
 if __package__ in (None, ""):  # run as a script from a checkout: make `minibert` importable
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import torch
 
-from minibert import plan_memory as pm
-from minibert.build import backend_for
 from minibert.config import PRESETS, Config, build_parser, compute_dtype
 from minibert.errors import UsageError, exit_on_usage_error, print_error_line
 from minibert.parallel.schedules import layer_ranges
-from minibert.plan_time import HARDWARE, estimate, spans_nodes
-from minibert.training_log import PEAK_FLOPS, model_flops
+from minibert.tools import plan_memory as pm
+from minibert.tools.plan_time import HARDWARE, estimate, spans_nodes
+from minibert.training.build import backend_for
+from minibert.training.training_log import PEAK_FLOPS, model_flops
 from minibert.validate import validate
 
 

@@ -29,12 +29,12 @@ document per pydoc topic and one per module of SOURCE_MODULES (all its files' pr
 sources under LONG_MIN_CHARS characters left out. CPython 3.11.7 gives 80 documents, 0.99 MB, of 929
 to 20,222 tokens (median 1,927): like Wikipedia articles, long enough that most of Megatron's seq-512
 samples are full, where the default corpus's paragraphs fill a tenth of one (tests/test_corpus.py
-measures both; `python -m minibert.masked_lm --lengths` prints the histogram).
+measures both; `python -m minibert.data.masked_lm --lengths` prints the histogram).
 
 The synthetic corpus is chapter 2's generator, exactly: random.seed(42), 2000 lines of the same 8
 words repeated; its lines have no sentence punctuation, so each is a one-sentence document.
 
-    python -m minibert.corpus --output data/corpus.txt [--synthetic | --long-documents]
+    python -m minibert.data.corpus --output data/corpus.txt [--synthetic | --long-documents]
 """
 import ast
 import inspect
@@ -45,11 +45,11 @@ import sys
 import sysconfig
 import warnings
 
-if __package__ in (None, ""):  # `python minibert/corpus.py` from a checkout
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if __package__ in (None, ""):  # `python minibert/data/corpus.py` from a checkout
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from minibert.errors import OneLineArgumentParser, UsageError, exit_on_usage_error  # noqa: E402
 from minibert.atomic import atomic_write  # noqa: E402
+from minibert.errors import OneLineArgumentParser, UsageError, exit_on_usage_error  # noqa: E402
 
 # Modules (or packages: all their .py files) of the core standard library, present in every CPython
 # 3.11+ install we know (Debian's split packages included) and not scheduled for removal. Sorted.

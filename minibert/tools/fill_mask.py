@@ -1,6 +1,6 @@
 """Ask a trained model to fill in the blanks: the masked-LM head, used for what it was trained on.
 
-    python -m minibert.fill_mask --load CKPT "the [MASK] sat on the mat." [--top-k 5] [--vocab-file V]
+    python -m minibert.tools.fill_mask --load CKPT "the [MASK] sat on the mat." [--top-k 5] [--vocab-file V]
 
 For each [MASK] in the text it prints the k most likely tokens, most likely first, with their
 probabilities (the shape of the output; the tokens depend on the model):
@@ -20,14 +20,14 @@ How it works, in four steps:
   4. The top k of each distribution, with the WordPiece "##" kept so you see the piece the model chose.
 
 CKPT is any checkpoint directory: a training run's --save (the latest iteration), released weights
-(minibert.checkpoint.save_weights), or `python -m minibert.convert from-hf HF_DIR --save CKPT`.
+(minibert.training.checkpoint.save_weights), or `python -m minibert.tools.convert from-hf HF_DIR --save CKPT`.
 The tokenizer is found the way tokenizer_for_checkpoint says."""
 import os
 
 import torch
 
+from minibert.data.tokenizer import build_tokenizer
 from minibert.errors import OneLineArgumentParser, UsageError, exit_on_usage_error
-from minibert.tokenizer import build_tokenizer
 
 MASK = "[MASK]"
 
@@ -75,11 +75,11 @@ def encode_with_masks(text: str, tokenizer, max_length: int):
 def load_checkpoint_model(checkpoint_dir: str):
     """reshard.load_model, with one clear error (and no "starting from scratch" warning, which is for
     training) when the folder holds no checkpoint."""
-    from minibert.checkpoint import tracker_path
-    from minibert.reshard import load_model
+    from minibert.tools.reshard import load_model
+    from minibert.training.checkpoint import tracker_path
     if not os.path.isfile(tracker_path(checkpoint_dir)):
         raise UsageError(f"{checkpoint_dir} holds no checkpoint (no {os.path.basename(tracker_path(checkpoint_dir))}): "
-                         "pass a directory written by train.py --save or by python -m minibert.convert from-hf --save")
+                         "pass a directory written by train.py --save or by python -m minibert.tools.convert from-hf --save")
     return load_model(checkpoint_dir, attention_backend="local")
 
 
@@ -101,7 +101,7 @@ def fill_mask(model, tokenizer, text: str, top_k: int = 5):
 
 @exit_on_usage_error
 def main(argv=None):
-    parser = OneLineArgumentParser(prog="python -m minibert.fill_mask",
+    parser = OneLineArgumentParser(prog="python -m minibert.tools.fill_mask",
                                    description="Print the most likely tokens for each [MASK] in a text.")
     parser.add_argument("text", help='text with one or more [MASK], e.g. "the [MASK] sat on the mat."')
     parser.add_argument("--load", required=True, help="checkpoint directory (a training --save, or released weights)")

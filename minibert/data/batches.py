@@ -21,11 +21,22 @@ import os
 import numpy as np
 import torch
 
-from minibert.blended_dataset import parse_data_path
+from minibert.data.blended_dataset import parse_data_path
+from minibert.data.masked_lm import (
+    build_blended_train_valid_test_datasets,
+    open_data_prefix,
+    split_num_samples,
+)
+from minibert.data.packing import (
+    fill_rows,
+    make_packing,
+    packing_threshold,
+    to_device,
+    trimmed_length,
+    worth_packing,
+)
+from minibert.data.tokenizer import DEFAULT_VOCAB_FILE, build_tokenizer
 from minibert.errors import UsageError
-from minibert.masked_lm import build_blended_train_valid_test_datasets, open_data_prefix, split_num_samples
-from minibert.packing import fill_rows, make_packing, packing_threshold, to_device, trimmed_length, worth_packing
-from minibert.tokenizer import DEFAULT_VOCAB_FILE, build_tokenizer
 
 BATCH_KEYS = ("text", "types", "labels", "padding_mask", "loss_mask", "is_random")
 
@@ -162,7 +173,7 @@ def next_micro_batch(data_iterator, device, cfg, varlen):
     """The next micro-batch as device tensors, plus `is_pad` (bool [b, s], True = padding), what the log
     counts, on the host: `lengths` (CPU int64 [b], real tokens per sample), `tokens` (their sum) and `masked`
     (the masked positions; Python ints), and the indices the model and loss need, computed here on the CPU:
-    `packing` (cfg.pack_tokens: the real tokens' positions, minibert.packing; the batch is then trimmed to
+    `packing` (cfg.pack_tokens: the real tokens' positions, minibert.data.packing; the batch is then trimmed to
     its longest sample and packed when worth it, packing_threshold(varlen), varlen = the model's attention
     reads packed rows; with --cuda-graph-impl local it is not trimmed, every micro-batch is packed and its
     rows are rounded up to a multiple of s with filler rows, so that a few graphs serve every batch),

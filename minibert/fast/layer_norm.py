@@ -77,8 +77,15 @@ import triton.language as tl
 
 from minibert.errors import UsageError
 from minibert.kernels import interpreting
-from minibert.kernels.dropout import (_dropout_keep, _dropout_keys, check_counter_range, dropout_threshold,
-                                      effective_dropout_p, kernel_seed, seed_in_memory)
+from minibert.kernels.dropout import (
+    _dropout_keep,
+    _dropout_keys,
+    check_counter_range,
+    dropout_threshold,
+    effective_dropout_p,
+    kernel_seed,
+    seed_in_memory,
+)
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_WIDTH = 8192  # a whole row sits in registers: 8192 fp32 over 16 warps is 16 values per thread per tensor

@@ -29,7 +29,7 @@ log2(chain length) rounds of one gather each; chains are short (about ln n), so 
 """
 import numpy as np
 
-from minibert.mersenne import MT19937_64
+from minibert.data.mersenne import MT19937_64
 
 
 def swap_targets(n, seed):

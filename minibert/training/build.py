@@ -5,7 +5,7 @@ and the random generators.
     --seed --> python / numpy / torch generators (+ 100 x pipeline stage)  -> dropout
            --> one generator per tensor-parallel rank (minibert.parallel.rng) -> dropout inside TP
     every parameter: drawn from (--seed, its name) at its full shape, this rank's block kept
-                     (minibert.init_weights), so the weights do not depend on the layout
+                     (minibert.model.init_weights), so the weights do not depend on the layout
 
 The trainer (minibert.train), the notebooks and the tests build through these functions; a one-process
 run is the layout of world size 1."""
@@ -14,17 +14,17 @@ import random
 import numpy as np
 import torch
 
-from minibert.attention import resolve_backend
 from minibert.config import compute_dtype
-from minibert.lr_schedule import build_scheduler
-from minibert.model import BertModel, init_parameters
-from minibert.optim import build_optimizer
+from minibert.model.attention import resolve_backend
+from minibert.model.bert import BertModel, init_parameters
 from minibert.parallel.data_parallel import DataParallelGrads
 from minibert.parallel.pipeline import Pipeline
 from minibert.parallel.rng import TENSOR_PARALLEL_SEED_OFFSET, TensorParallelRNG
 from minibert.parallel.schedules import layer_ranges
 from minibert.parallel.state import ParallelState
 from minibert.parallel.tensor_parallel import apply_tensor_parallel
+from minibert.training.lr_schedule import build_scheduler
+from minibert.training.optim import build_optimizer
 
 
 def set_random_seed(seed: int, state: ParallelState):

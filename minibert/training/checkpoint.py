@@ -29,9 +29,9 @@ disk (fsync) and renamed over the final name (os.replace is atomic on POSIX); th
 synced before the tracker is written. A crash mid-save leaves the old tracker pointing at the old,
 complete checkpoint.
 
-What a resume checks against the flags, and how the state goes back into the run: minibert/resume.py.
+What a resume checks against the flags, and how the state goes back into the run: minibert/training/resume.py.
 This module is the file format alone (it builds no model); a whole model from a checkpoint of any layout
-(load_model) and the converter between layouts (`python -m minibert.reshard convert`): minibert/reshard.py."""
+(load_model) and the converter between layouts (`python -m minibert.tools.reshard convert`): minibert/tools/reshard.py."""
 import contextlib
 import dataclasses
 import glob
@@ -46,8 +46,8 @@ import torch.distributed as dist
 
 from minibert.atomic import atomic_write
 from minibert.errors import UsageError
-from minibert.manifest import HashingWriter, verify, write_manifest
-from minibert.resume import CONVERT_HINT, MODEL_SHAPE_ARGS, get_rng_state
+from minibert.training.manifest import HashingWriter, verify, write_manifest
+from minibert.training.resume import CONVERT_HINT, MODEL_SHAPE_ARGS, get_rng_state
 
 CHECKPOINT_VERSION = 3.0          # Megatron's current legacy-format version number
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
@@ -399,7 +399,7 @@ def load_checkpoint(checkpoints_dir: str, *, tp_rank=0, pp_rank=0, pp_size=1):
 # ---- parameter names of older checkpoints ----
 # A checkpoint keeps the names it was written with, so every rename of a parameter stays here for good, as
 # (pattern, today's name). load_checkpoint applies them to each file it reads, so every loader (the
-# trainer's resume, minibert.reshard's converter and load_model, and through it fill_mask and convert to-hf)
+# trainer's resume, minibert.tools.reshard's converter and load_model, and through it fill_mask and convert to-hf)
 # sees today's names only.
 RENAMED_KEYS = [
     # after commit 9d2e13f, TransformerLayer's two LayerNorms took megatron-core's names

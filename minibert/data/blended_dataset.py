@@ -36,8 +36,8 @@ import os
 import numpy as np
 
 from minibert.atomic import atomic_write
+from minibert.data.sample_index import SPLIT_NAMES
 from minibert.errors import UsageError
-from minibert.sample_index import SPLIT_NAMES
 
 SURPLUS = 0.005  # megatron-core's mid_level_dataset_surplus: each corpus builds 0.5% more than its share
 FORM = "--data-path takes one prefix, or weights and prefixes alternating: --data-path 0.3 A 0.7 B"

@@ -12,7 +12,7 @@ replay submits all of them in one call.
 What a graph freezes is everything the host decided while it was recorded: which kernels run, their grid
 sizes, the *addresses* of every tensor they read and write, and every Python number passed to them. So a
 replay needs:
-- a shape it was recorded for. Packed micro-batches (minibert/packing.py) change their row count with
+- a shape it was recorded for. Packed micro-batches (minibert/data/packing.py) change their row count with
   every batch, so with graphs get_batch rounds the rows up to a multiple of the sequence length s with
   filler rows (make_packing's `bucket`) and does not trim: a [b, s] micro-batch then has one of b row
   counts, and each gets its graph the first time it is seen (--no-pack-tokens: one padded shape);
@@ -59,7 +59,7 @@ import weakref
 
 import torch
 
-from minibert.training_log import COUNTS
+from minibert.training.training_log import COUNTS
 
 BATCH_INPUTS = ("text", "types", "labels", "loss_mask", "is_random", "is_pad")  # [b, s] and [b] tensors
 
@@ -136,7 +136,7 @@ def forward_backward(forward_step, model, optimizer, num_micro_batches, batch, a
     counts in COUNTS order (lm correct, lm masked, sop correct, sop samples; the first 2 without the
     binary head), has the sop loss). Two packed tensors, so a replay copies its outputs in two copies."""
     loss, metrics = forward_step(batch, model, None)
-    grads = model.grad_buffers  # minibert.build.build_grad_buffers
+    grads = model.grad_buffers  # minibert.training.build.build_grad_buffers
     grads.set_last_micro_batch(False)  # nothing is reduced inside a graph: finalize_model_grads does it after
     optimizer.scale_loss(loss / num_micro_batches).backward()
     if accumulate:
@@ -154,7 +154,9 @@ def warm_up(run, stream, grads=()):
     `grads` (the optimizer's DataParallelGrads) are as they were, and so are the CPU and CUDA generators.
     Its dropout seeds are drawn on the device, as in the capture, so the kernels the graph records (their
     SEED_IN_MEMORY variants) are compiled and loaded here."""
-    from minibert.kernels.dropout import seeds_on_device  # Triton is imported only where its kernels run
+    from minibert.kernels.dropout import (
+        seeds_on_device,  # Triton is imported only where its kernels run
+    )
     states = torch.get_rng_state(), torch.cuda.get_rng_state()
     with main_grads_kept(grads):
         stream.wait_stream(torch.cuda.current_stream())
@@ -168,10 +170,10 @@ def warm_up(run, stream, grads=()):
 @contextlib.contextmanager
 def main_grads_kept(grads):
     """Put the fp32 main grads of `grads` back as they were on entry. Only --gradient-accumulation-fusion
-    needs it: there the weight-gradient matmuls add into the main grads themselves (minibert/linear.py), so
+    needs it: there the weight-gradient matmuls add into the main grads themselves (minibert/model/linear.py), so
     accumulate=False cannot keep a warm-up's gradients out of them; a copy of the flat buffers (once per
     captured shape) can. Without the fusion nothing is copied."""
-    from minibert.linear import fuses_weight_grad
+    from minibert.model.linear import fuses_weight_grad
     buckets = [b for g in grads for b in g.buckets]
     fused = any(fuses_weight_grad(p) for g in grads for p in g.params)
     saved = [b.grad_data.clone() for b in buckets] if fused else []

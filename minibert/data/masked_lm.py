@@ -15,23 +15,28 @@ so sample i never depends on which samples were read before it (any DataLoader w
 The order of the draws is the contract: docs/formats.md ("BERT samples") lists it step by step.
 
 Splits: `--split 969,30,1` cuts the *documents* into train/valid/test ranges; each range gets its own
-sample index (same seed, its own num_samples). CLI: python -m minibert.masked_lm --help.
+sample index (same seed, its own num_samples). CLI: python -m minibert.data.masked_lm --help.
 """
 import bisect
 import os
 import sys
 
 if __package__ in (None, ""):  # run as a script from a checkout: make `minibert` importable
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import numpy as np
 
 from minibert.atomic import atomic_write
-from minibert.blended_dataset import blend_splits, parse_data_path
+from minibert.data.blended_dataset import blend_splits, parse_data_path
+from minibert.data.indexed_dataset import IndexedDataset
+from minibert.data.sample_index import (
+    SPLIT_NAMES,
+    cached_sample_index,
+    check_seed,
+    split_document_ranges,  # noqa: F401 (re-export)
+    split_num_samples,
+)
 from minibert.errors import OneLineArgumentParser, UsageError, exit_on_usage_error
-from minibert.indexed_dataset import IndexedDataset
-from minibert.sample_index import (SPLIT_NAMES, cached_sample_index, check_seed,
-                                   split_document_ranges, split_num_samples)  # noqa: F401 (re-export)
 
 MAX_NGRAM = 3  # whole-word n-grams of 1, 2 or 3 words, as Megatron's pretrain_bert.py configures
 # P(n) proportional to 1/n: [6/11, 3/11, 2/11]. Megatron normalises twice (once when building the table,
@@ -297,9 +302,11 @@ def _save_npz(path, arrays):
 
 @exit_on_usage_error
 def main(argv=None):
-    from minibert.tokenizer import build_tokenizer  # tokenizer is only needed by the CLI
+    from minibert.data.tokenizer import (
+        build_tokenizer,  # tokenizer is only needed by the CLI
+    )
     parser = OneLineArgumentParser(
-        prog="python -m minibert.masked_lm",
+        prog="python -m minibert.data.masked_lm",
         description="Build Megatron-exact BERT samples (the train split) and show or save them.")
     parser.add_argument("--data-path", required=True, nargs="+", metavar="[WEIGHT] PREFIX",
                         help="prefix of the .bin/.idx pair, or a blend: weights and prefixes alternating")

@@ -13,7 +13,7 @@ its size (bf16 keeps 8 bits of mantissa: 1 + 2^-9 rounds back to 1).
                      | and skips a bad step itself: both decided on the device (see step())
                      (fp32 master params, fp32 main grads, fp32 Adam moments)
 
-Two kernels do the update. On a GPU, minibert/kernels/adamw.py: one Triton pass per bucket shard that
+Two kernels do the update. On a GPU, minibert/fast/adamw.py: one Triton pass per bucket shard that
 reads each fp32 buffer once and writes the 16-bit weights on its way out (30 bytes a parameter). Its
 plain twin, and the CPU's path, is PyTorch's fused AdamW followed by a copy back (38 bytes: it also
 stores the divided gradients). Both keep Adam's moments in the same flat buffers, so checkpoints do not
@@ -26,8 +26,8 @@ all-gathered afterwards. With fp32 the master pieces are views of the parameters
 copied); with 16-bit parameters they are views of one fp32 copy of the shard.
 
 fp16 needs its loss scaled so that small gradients do not underflow; the scale comes from
-minibert/loss_scale.py (DynamicLossScaler), and the optimizer divides the gradients by it before use.
-The LR schedule is minibert/lr_schedule.py.
+minibert/training/loss_scale.py (DynamicLossScaler), and the optimizer divides the gradients by it before use.
+The LR schedule is minibert/training/lr_schedule.py.
 
 Non-finite numbers: a step whose grad norm (or, under fp16, whose loss) is not finite never reaches the
 weights. Under fp16 an infinite gradient with a finite loss is an *overflow*: the step is skipped and
@@ -43,11 +43,13 @@ import math
 from collections import namedtuple
 
 import torch
-from torch.optim.adamw import adamw as pytorch_adamw  # the functional form (update() says why)
 import torch.distributed as dist
+from torch.optim.adamw import (
+    adamw as pytorch_adamw,  # the functional form (update() says why)
+)
 
-from minibert.loss_scale import DynamicLossScaler
 from minibert.parallel.state import ParallelState
+from minibert.training.loss_scale import DynamicLossScaler
 
 
 def no_weight_decay(name: str, param: torch.Tensor) -> bool:
@@ -101,7 +103,7 @@ class MixedPrecisionOptimizer:
     gradients into the fp32 buffers (DataParallelGrads.accumulate: the schedules do it);
     finalize_model_grads (the data-parallel reduction); step(), which returns StepOutcome(update_successful,
     grad_norm, status): grad_norm a 0-d tensor taken before clipping (None when the step was skipped).
-    `grads`: the DataParallelGrads of each model chunk (minibert.build.build_grad_buffers), whose buckets
+    `grads`: the DataParallelGrads of each model chunk (minibert.training.build.build_grad_buffers), whose buckets
     the optimizer updates."""
 
     def __init__(self, grads: list, state: ParallelState, *, lr=0.0, weight_decay=0.01, betas=(0.9, 0.999),
@@ -125,7 +127,7 @@ class MixedPrecisionOptimizer:
         self.pieces.sort(key=lambda pc: order[id(pc.param)])  # the model's order (buckets run backwards)
         self.low_precision = any(sh.low_precision for sh in self.shards)
         self.steps_made = 0  # updates applied so far (skipped steps do not count): AdamW's t - 1
-        # "triton": minibert/kernels/adamw.py, AdamW and the copy back in one pass (CUDA, or the interpreter);
+        # "triton": minibert/fast/adamw.py, AdamW and the copy back in one pass (CUDA, or the interpreter);
         # "torch": PyTorch's fused AdamW (one kernel on CUDA and on the CPU), then the copy back: the plain twin
         self.kernel = kernel or ("triton" if self.pieces and self.pieces[0].master.is_cuda else "torch")
         decay = [pc for pc in self.pieces if not no_weight_decay(pc.name, pc.param)]
@@ -218,7 +220,9 @@ class MixedPrecisionOptimizer:
             for shard in self.shards:
                 shard.copy_back()
             return
-        from minibert.kernels import adamw as adamw_kernel  # here: Triton is imported only where a kernel runs
+        from minibert.kernels import (
+            adamw as adamw_kernel,  # here: Triton is imported only where a kernel runs
+        )
         group = self.param_groups[0]  # the decayed parameters' group (if none, no chunk is decayed)
         for shard in self.shards:
             if shard.table is None:
@@ -323,7 +327,7 @@ def _cut(saved_entries, key, start, end):
 
 
 def build_optimizer(grads, cfg, state: ParallelState = None, shared_embedding=None) -> MixedPrecisionOptimizer:
-    """AdamW over the gradient buckets `grads` (minibert.build.build_grad_buffers) as the flags say.
+    """AdamW over the gradient buckets `grads` (minibert.training.build.build_grad_buffers) as the flags say.
     state None: one process."""
     scaler = None
     if cfg.fp16:

@@ -37,8 +37,8 @@ import unicodedata
 
 from minibert.errors import UsageError
 
-DEFAULT_VOCAB_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vocab",
-                                  "bert-base-uncased-vocab.txt")
+DEFAULT_VOCAB_FILE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "vocab",
+                                  "bert-base-uncased-vocab.txt")  # minibert/vocab/
 MAX_WORD_CHARS = 200     # longer words become [UNK]: Google's/Megatron's limit (HF tokenizers: 100)
 CACHE_SIZE = 1 << 18     # chunks remembered (~60 MB at most); covers a Zipfian corpus's head
 MEGATRON_EXTRA_TOKENS = ("[BOS]", "[EOS]")  # Megatron's _BertWordPieceTokenizer appends these

@@ -62,7 +62,7 @@ def trimmed_length(is_pad, multiple=TRIM_MULTIPLE) -> int:
 def make_packing(is_pad, bucket=None) -> Packing:
     """CPU bool [b, s] (True = padding) -> the packing of its real tokens (CPU tensors).
 
-    bucket (<= s; CUDA graphs, minibert/cuda_graphs.py, which replay fixed shapes): the n real rows are
+    bucket (<= s; CUDA graphs, minibert/fast/cuda_graphs.py, which replay fixed shapes): the n real rows are
     followed by filler rows up to a multiple of `bucket` (at most b * s), so a micro-batch has one of
     b * s / bucket row counts instead of any. The fillers are the first padding positions (distinct, so
     a scatter back to [b, s] writes each once), they form one more sample of their own in cu_seqlens

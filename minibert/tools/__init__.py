@@ -1,0 +1,1 @@
+"""Chapter 7 and beyond: the planner, checkpoint resharding, HuggingFace conversion and fill-mask."""
