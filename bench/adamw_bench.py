@@ -24,7 +24,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 
 from minibert.config import Config  # noqa: E402
-from minibert.kernels import adamw as adamw_kernel  # noqa: E402
+from minibert.fast import adamw as adamw_kernel  # noqa: E402
 from minibert.model.bert import BertModel  # noqa: E402
 from minibert.training.build import build_grad_buffers  # noqa: E402
 from minibert.training.optim import build_optimizer  # noqa: E402

@@ -32,7 +32,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.testing  # noqa: E402
 
-from minibert.kernels import cross_entropy as ce  # noqa: E402
+from minibert.fast import cross_entropy as ce  # noqa: E402
 from minibert.model.bert import lm_cross_entropy  # noqa: E402
 
 PADDED_VOCAB, VOCAB = 30592, 30524

@@ -30,7 +30,7 @@ import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 import triton.testing  # noqa: E402
 
-from minibert.kernels import layer_norm as fused  # noqa: E402
+from minibert.fast import layer_norm as fused  # noqa: E402
 
 SHAPES = {"BERT-large b32 s512": (16384, 1024), "BERT-base b256 s128": (32768, 768)}
 DROPOUT = 0.1                # BERT's hidden dropout

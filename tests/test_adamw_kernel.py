@@ -6,7 +6,7 @@ one skipped step (found_inf). tests/test_optim.py runs the whole optimizer with 
 import pytest
 import torch
 
-from minibert.kernels import adamw as kernel
+from minibert.fast import adamw as kernel
 
 LR, WD, BETAS, EPS = 3e-3, 0.1, (0.9, 0.95), 1e-6
 RANGES, DECAYED, SIZE = [(0, 150), (192, 200), (256, 300)], [True, False, False], 320  # gaps: padding

@@ -220,9 +220,7 @@ class MixedPrecisionOptimizer:
             for shard in self.shards:
                 shard.copy_back()
             return
-        from minibert.kernels import (
-            adamw as adamw_kernel,  # here: Triton is imported only where a kernel runs
-        )
+        from minibert.fast import adamw as adamw_kernel  # here: Triton is imported only where a kernel runs
         group = self.param_groups[0]  # the decayed parameters' group (if none, no chunk is decayed)
         for shard in self.shards:
             if shard.table is None:
