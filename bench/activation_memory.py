@@ -5,7 +5,8 @@
     python bench/activation_memory.py                                       # one process: TP 1 only
 
 The layer is built the way the trainer builds it, by minibert.training.build.build_model (a model with one layer,
-meta-built, tensor parallelism applied, this rank's shards allocated), in three layouts:
+meta-built, tensor parallelism applied, this rank's shards allocated) and minibert.fast.levers.apply_levers (the
+levers the trainer turns on by default; on the CPU they run the plain ops), in three layouts:
 
     TP 1          the one-process model (every process can build it: no process group is involved)
     TP p          the layer split over the p processes of this launch
@@ -33,6 +34,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from minibert.config import Config  # noqa: E402
+from minibert.fast.levers import apply_levers  # noqa: E402
 from minibert.parallel.state import ParallelState  # noqa: E402
 from minibert.training.build import build_model, set_random_seed  # noqa: E402
 
@@ -84,6 +86,7 @@ def measure(args, state, sequence_parallel):
     cfg = layer_config(args, state.tp, sequence_parallel)
     set_random_seed(cfg.seed, state)  # the generators the dropout draws from (rng.fork inside the region)
     model = build_model(cfg, state)
+    apply_levers(model, None, cfg)  # as minibert/train.py does, once the model is built
     model.train()
     layer = model.layers[0]
     weights = {p.untyped_storage().data_ptr() for p in model.parameters()}

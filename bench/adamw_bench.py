@@ -1,9 +1,11 @@
 """The optimizer's update (--adam-fusion) against its plain twin, on one GPU, over a real model's buffers.
 
 The model is BERT-large (or BERT-base) in bf16 with the trainer's own optimizer (minibert.training.optim.build_optimizer:
-its gradient buckets, fp32 masters and moments); `MixedPrecisionOptimizer.update` is timed alone, with
-    plain   PyTorch's fused AdamW (grad_scale, found_inf), then the copy of each shard's masters to bf16
-    fused   minibert/fast/adamw.py: AdamW and the copy in one pass per bucket shard
+its gradient buckets, fp32 masters and moments); the optimizer's `update` is timed alone, as
+    plain   MixedPrecisionOptimizer.update: PyTorch's fused AdamW (grad_scale, found_inf), then the copy
+            of each shard's masters to bf16
+    fused   FusedAdamW.update (minibert/fast/adamw.py; apply(optimizer) makes the trainer's optimizer one):
+            AdamW and the copy in one pass per bucket shard
 Bytes a parameter: plain 38 (AdamW reads p, g, m, v and writes p, m, v and the divided g; the copy reads p
 and writes 2 bytes), fused 30. Times are medians of triton.testing.do_bench (each update launched from
 Python, as in training; at these sizes the GPU, not the host, sets the pace); the ceiling is a device copy.
@@ -27,11 +29,17 @@ from minibert.config import Config  # noqa: E402
 from minibert.fast import adamw as adamw_kernel  # noqa: E402
 from minibert.model.bert import BertModel  # noqa: E402
 from minibert.training.build import build_grad_buffers  # noqa: E402
-from minibert.training.optim import build_optimizer  # noqa: E402
+from minibert.training.optim import MixedPrecisionOptimizer, build_optimizer  # noqa: E402
 from minibert.validate import validate  # noqa: E402
 
 MODELS = {"BERT-large": (24, 1024, 16), "BERT-base": (12, 768, 12)}
-BYTES = {"torch": 38, "triton": 30}
+BYTES = {"plain": 38, "fused": 30}
+UPDATES = {"plain": MixedPrecisionOptimizer.update, "fused": adamw_kernel.FusedAdamW.update}  # the two twins
+
+
+def _update(optimizer, kind, divisor, found_inf):
+    """One update of `optimizer` (a MixedPrecisionOptimizer) by the plain twin or the fused one."""
+    UPDATES[kind](optimizer, divisor, found_inf)
 SWEEP = [(256, 2), (256, 4), (512, 2), (512, 4), (1024, 4), (4096, 8)]
 
 
@@ -68,15 +76,14 @@ def _check(optimizer, divisor, found_inf):
     """One step from the same state with each kernel: the masters agree to fp32 rounding, and each kernel's
     bf16 weights are its masters rounded to nearest, bit for bit."""
     saved, results = _state(optimizer), {}
-    for kernel in ("torch", "triton"):
+    for kernel in ("plain", "fused"):
         _restore(optimizer, saved)
-        optimizer.kernel = kernel
-        optimizer.update(divisor, found_inf)
+        _update(optimizer, kernel, divisor, found_inf)
         results[kernel] = [sh.master.clone() for sh in optimizer.shards]
         if not all(torch.equal(sh.model_values, sh.master.to(torch.bfloat16)) for sh in optimizer.shards):
             raise AssertionError(f"adamw ({kernel}): the bf16 weights are not the masters rounded to nearest")
     _restore(optimizer, saved)
-    for a, b in zip(results["torch"], results["triton"]):
+    for a, b in zip(results["plain"], results["fused"]):
         err = float((a - b).norm() / b.norm())
         if err > 1e-6:
             raise AssertionError(f"adamw: masters differ between the kernels by {err:.3g} (relative)")
@@ -97,23 +104,21 @@ def _measure(label, layers, hidden, heads, sweep, echo):
     _check(optimizer, divisor, found_inf)
     flat = torch.empty(n, dtype=torch.float32, device="cuda")
     ms = {"copy": _time_ms(lambda: flat.clone())}
-    for kernel in ("torch", "triton"):
-        optimizer.kernel = kernel
-        ms[kernel] = _time_ms(lambda: optimizer.update(divisor, found_inf))
+    for kernel in ("plain", "fused"):
+        ms[kernel] = _time_ms(lambda: _update(optimizer, kernel, divisor, found_inf))
     copy = _tbps(8 * n, ms["copy"])
     where = f"{label}, {n / 1e6:.1f}M parameters in {len(optimizer.shards)} buckets, bf16 weights"
     rows = [dict(name=f"{label} device copy of the fp32 masters (ceiling)", value=copy, unit="TB/s",
                  notes=f"read + write, {ms['copy']:.3f} ms")]
-    for kernel, what in (("torch", "plain: PyTorch's fused AdamW + copy back"), ("triton", "fused: one pass")):
+    for kernel, what in (("plain", "plain: PyTorch's fused AdamW + copy back"), ("fused", "fused: one pass")):
         speed = _tbps(BYTES[kernel] * n, ms[kernel])
         rows.append(dict(name=f"{label} update, {what}", value=ms[kernel], unit="ms",
                          notes=f"{BYTES[kernel]} bytes a parameter, {speed:.2f} TB/s ({speed / copy:.0%} of copy)"))
-    rows.append(dict(name=f"{label} update: fused speed-up over plain", value=ms["torch"] / ms["triton"], unit="x",
-                     notes=f"{ms['torch']:.3f} -> {ms['triton']:.3f} ms; {where}"))
+    rows.append(dict(name=f"{label} update: fused speed-up over plain", value=ms["plain"] / ms["fused"], unit="x",
+                     notes=f"{ms['plain']:.3f} -> {ms['fused']:.3f} ms; {where}"))
     for row in rows:
         echo(row)
     if sweep:
-        optimizer.kernel = "triton"
         for block, warps in SWEEP:
             tables = [adamw_kernel.program_table([(pc.lo, pc.hi) for pc in sh.pieces], [True] * len(sh.pieces),
                                                  block, "cuda") for sh in optimizer.shards]

@@ -10,7 +10,7 @@ fp32); this times them, alternating, through train_bench's measure() and the tra
 
 Cases: BERT-large s512 b32 on full-length batches and on Megatron's samples of the default corpus, and
 BERT-base s128 b256 on full-length batches, each eager and with CUDA graphs. "zero, then add" sets
-DataParallelGrads.copy_first to False, which is the code path --gradient-accumulation-fusion still takes."""
+DataParallelGrads.copy_first to False, the code path --overlap-grad-reduce still takes over several ranks."""
 import argparse
 import os
 import platform
@@ -29,7 +29,7 @@ from minibert.atomic import atomic_write  # noqa: E402
 
 def zero_then_add_stepper(cfg, batches, device):
     """train_bench's minibert stepper with the old fold: the buffers zeroed at zero(), every fold an add."""
-    model, optimizer, scheduler = train_bench.build_model_and_optimizer(cfg, device)
+    model, optimizer, scheduler = train_bench.build_as_trainer(cfg, device)  # the levers on, as trained
     for grads in optimizer.grads:
         grads.copy_first = False
     model.train()

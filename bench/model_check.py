@@ -1,8 +1,9 @@
 """GPU check of the attention backends inside the whole model (bf16, BERT-large-shaped layers).
 
 For each backend: loss, outputs at real positions and parameter gradients against the local (plain
-PyTorch) backend, plus the forward+backward time of one micro-batch. Dropout is off so every backend
-computes the same function. Run on a GPU: `python bench/model_check.py`."""
+PyTorch) backend, plus the forward+backward time of one micro-batch. Each model has the levers the
+trainer turns on by default (minibert.fast.levers.apply_levers), its loss the model's own cross entropy.
+Dropout is off so every backend computes the same function. Run on a GPU: `python bench/model_check.py`."""
 import os
 import sys
 
@@ -12,6 +13,7 @@ import torch  # noqa: E402
 import triton.testing  # noqa: E402
 
 from minibert.config import Config  # noqa: E402
+from minibert.fast.levers import apply_levers  # noqa: E402
 from minibert.model.bert import BertModel, pretraining_loss  # noqa: E402
 
 
@@ -31,7 +33,7 @@ def run(layers=2, hidden=1024, heads=16, seq=512, micro=8):
     cfg = Config(num_layers=layers, hidden_size=hidden, num_attention_heads=heads, seq_length=seq,
                  hidden_dropout=0.0, attention_dropout=0.0)
     torch.manual_seed(0)
-    reference_model = BertModel(cfg).to(device, torch.bfloat16)
+    reference_model = BertModel(cfg).to(device, torch.bfloat16)  # the weights every backend's model loads
     tokens, padding, labels, loss_mask, is_random = batch(micro, seq, cfg.vocab_size, device,
                                                           torch.Generator().manual_seed(0))
     real = ~padding
@@ -40,10 +42,11 @@ def run(layers=2, hidden=1024, heads=16, seq=512, micro=8):
         cfg.attention_backend = backend
         model = BertModel(cfg).to(device, torch.bfloat16)
         model.load_state_dict(reference_model.state_dict())
+        apply_levers(model, None, cfg)  # as minibert/train.py runs the model (parameters and names kept)
 
         def step():
             out = model(tokens, padding_mask=padding)
-            loss = pretraining_loss(out, labels, loss_mask, is_random)[0]
+            loss = pretraining_loss(out, labels, loss_mask, is_random, cross_entropy=model.lm_cross_entropy)[0]
             loss.backward()
             return out, loss
         model.zero_grad(set_to_none=True)

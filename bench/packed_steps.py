@@ -35,8 +35,8 @@ import minibert.train as train_module  # noqa: E402
 from bench import train_bench  # noqa: E402
 from bench.train_bench_data import megatron_batches, stream_batches  # noqa: E402
 from minibert.config import Config  # noqa: E402
-from minibert.model.bert import attention  # noqa: E402
-from minibert.train import build_model_and_optimizer, train_step  # noqa: E402
+from minibert.model import attention  # noqa: E402
+from minibert.train import train_step  # noqa: E402
 
 VARIANTS = {  # name -> (config overrides, attention through the scatter route, automatic gc off)
     "packed (varlen flash)": ({}, False, False),
@@ -70,7 +70,7 @@ def use_scatter_route(on):
 
 def kernel_ms_per_step(cfg, batches, device, steps=2, cpu_table=False):
     """Summed kernel time per step over `steps` profiled steps (after the timed ones warmed everything)."""
-    model, optimizer, scheduler = build_model_and_optimizer(cfg, device)
+    model, optimizer, scheduler = train_bench.build_as_trainer(cfg, device)  # the levers on, as trained
     model.train()
     iterator = batches_module.PrefetchingBatches(iter(batches))  # as the trainer's
     for _ in range(3):

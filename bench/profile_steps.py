@@ -9,9 +9,9 @@ indexing, compiled Triton kernels) and the table gives ms per step for each, nex
     python bench/profile_steps.py --work-dir /tmp/prof --output profile_steps.md [--only base]
 
 Cases: "large" (BERT-large s512 b32, full length) and "base" (BERT-base s128 b256, full length), each
-for minibert, minibert with the lever that is off by default (--gradient-accumulation-fusion), minibert
-with CUDA graphs, HF eager and HF compiled; and "default" (BERT-large s512 b32 on
-Megatron's samples of the default corpus: minibert packed, and with CUDA graphs); and, only when named
+for minibert (its levers on as the trainer turns them on), minibert with CUDA graphs, HF eager and HF
+compiled; and "default" (BERT-large s512 b32 on Megatron's samples of the default corpus: minibert
+packed, and with CUDA graphs); and, only when named
 (--only accumulation), minibert packed on the default corpus and on full-length batches with 1 and with 8
 micro-batches per optimizer step, every kernel's time divided by the micro-batches per step
 (bench/notes-accumulation.md). A graphed contender
@@ -155,8 +155,7 @@ def main():
             _, _, _, seq, micro = train_bench.shape(case, settings)
             batches = stream_batches(prefix, 9, micro, seq, settings.device)
             results = {c: profile(c, cfg, batches)
-                       for c in ("minibert", "minibert, levers off by default on", "minibert, CUDA graphs",
-                                 "HF eager", "HF compiled")}
+                       for c in ("minibert", "minibert, CUDA graphs", "HF eager", "HF compiled")}
             lines += tables(f"{train_bench.model_label(case, settings)}, full-length batches, bf16", results)
     if args.only in (None, "default"):
         cfg = train_bench.minibert_config("large", settings)

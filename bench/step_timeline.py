@@ -1,7 +1,7 @@
 """Where a training step's wall clock goes between the host and the GPU, phase by phase.
 
 bench/profile_steps.py sums kernel times; the wall clock can be longer, by the time the GPU waits for the
-host. This script finds where that wait sits. It runs the trainer's own train_step (the same builders and
+host. This script finds where that wait sits. It runs the trainer's own train_step (the same builders, levers and
 batches as bench/train_bench.py) and marks six points of each step twice: the host's clock
 (time.perf_counter) and a CUDA event queued on the stream at the same moment, whose time is when the GPU
 reached that point of its queue:
@@ -95,7 +95,7 @@ def timeline(case, overrides, work_dir, steps=12, skip=4):
     prefix, _ = train_bench.corpus_prefix("default", settings)
     batches = stream_batches(prefix, steps + skip + 4, cfg.micro_batch_size, cfg.seq_length, settings.device)
     torch.manual_seed(train_bench.SEED)
-    model, optimizer, scheduler = train_module.build_model_and_optimizer(cfg, settings.device)
+    model, optimizer, scheduler = train_bench.build_as_trainer(cfg, settings.device)  # the levers on, as trained
     model.train()
     marks = Marks()
     undo = [wrap(train_module, "next_batches", marks, "start", "batches"),

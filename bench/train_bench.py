@@ -7,9 +7,10 @@ Every contender trains on the same CPU batches, in the same order, for the same 
 torch.cuda.synchronize() calls. Each contender gets a fresh model and a fresh peak-memory count
 (torch.cuda.max_memory_allocated, reset after the last one is freed).
 
-    minibert     build_model_and_optimizer + train_step (the trainer's path: get_batch copies a CPU batch
-                 dict shaped like the DataLoader's, packs it unless --no-pack-tokens; bf16 weights, fp32
-                 masters, AdamW (fused), grad-norm clipping and the non-finite check, Megatron's pre-LN)
+    minibert     build_model_and_optimizer + apply_levers + train_step (the trainer's path: the levers
+                 its flags turn on, then get_batch copies a CPU batch dict shaped like the DataLoader's,
+                 packs it unless --no-pack-tokens; bf16 weights, fp32 masters, AdamW (fused), grad-norm
+                 clipping and the non-finite check, Megatron's pre-LN)
     HF eager     BertForPreTraining (sdpa attention), fp32 weights under autocast bf16, fused AdamW, as
                  the peer setup of docs/measuring.md (no clipping); vocab = minibert's padded vocab, so both run the same matmuls
     HF compiled  the same, forward through torch.compile(model) (skipped on the CPU)
@@ -18,8 +19,6 @@ torch.cuda.synchronize() calls. Each contender gets a fresh model and a fresh pe
                  pass over the timed batches, before the warm-up, a one-time cost like compiling (GPU only)
     minibert, CUDA graphs, --sparse-mlm   the same with the LM head on the masked positions only (sections
                  1 and 3): the same loss, less work than its peers compute, so its ratios say so
-    minibert (packed), CUDA graphs, --gradient-accumulation-fusion   the weight gradients summed into the
-                 fp32 main gradients by the matmuls themselves (section 2's accumulated rows, GPU only)
 
 Sections (--sections picks them):
     1  BERT-large s512 b32, full-length batches: every position real, cut from the default corpus's token
@@ -31,15 +30,14 @@ Sections (--sections picks them):
        HF eager with the attention mask; then the default corpus again, minibert packed only, at the
        micro-batch that holds the full-length run's real tokens, and at micro-batch 32 with ACCUMULATION
        micro-batches per optimizer step against the full-length run with the same accumulation (with
-       graphs and with --gradient-accumulation-fusion on a GPU; eager where no graphed contender runs).
+       graphs on a GPU; eager where no graphed contender runs).
        --contenders picks the padded contenders; their full-length references are measured as needed
     3  BERT-base s128 b256, full-length batches (as section 1)
     4  make train-small's model (4 layers, 128 hidden, 8 heads, s128, micro 4, global 16) on Megatron
        samples of the default corpus: ms per train_step, fp32 and bf16, eager and, on a GPU, with
        --cuda-graph-impl local (each micro-batch one CUDA graph replay)
     5  the fused kernels' gains: sections 1 and 3's minibert with --no-bias-dropout-fusion, with
-       --no-cross-entropy-loss-fusion, with both, and with --no-residual-layernorm-fusion; with
-       --gradient-accumulation-fusion (off by default) turned on; and --gradient-accumulation-fusion,
+       --no-cross-entropy-loss-fusion, with both, and with --no-residual-layernorm-fusion; and
        --no-residual-layernorm-fusion and --no-adam-fusion again with --cuda-graph-impl local
        (skipped on the CPU, where the plain ops run)
 
@@ -85,6 +83,7 @@ from minibert.data.batches import (  # noqa: E402
     build_datasets,
 )
 from minibert.errors import OneLineArgumentParser, UsageError, exit_on_usage_error  # noqa: E402
+from minibert.fast.levers import apply_levers  # noqa: E402
 from minibert.train import build_model_and_optimizer, train_step  # noqa: E402
 from minibert.training.training_log import PEAK_FLOPS, batch_flops  # noqa: E402
 from minibert.validate import validate  # noqa: E402
@@ -164,9 +163,17 @@ def corpus_prefix(kind, settings):
 
 
 # ---------------------------------------------------------------- contenders
+def build_as_trainer(cfg, device):
+    """-> (model, optimizer, scheduler) as minibert/train.py trains them: built plain, then the levers cfg
+    turns on (apply_levers: its flags, so a contender's overrides such as bias_dropout_fusion=False count)."""
+    model, optimizer, scheduler = build_model_and_optimizer(cfg, device)
+    apply_levers(model, optimizer, cfg)
+    return model, optimizer, scheduler
+
+
 def minibert_stepper(cfg, batches, device):
     """-> step(): one train_step over the next micro-batches (the trainer's own path)."""
-    model, optimizer, scheduler = build_model_and_optimizer(cfg, device)
+    model, optimizer, scheduler = build_as_trainer(cfg, device)
     model.train()
     iterator = PrefetchingBatches(iter(batches))  # as the trainer's: the next step's batches built early
 
@@ -211,18 +218,12 @@ def hf_stepper(cfg, batches, device, compiled=False):
 SPARSE = "minibert, CUDA graphs, --sparse-mlm"  # the LM head on the masked positions only: not equal work
 SPARSE_NOTE = ("not equal work: the LM head computes the masked positions only (the same loss and gradients), "
                "HF all of them")
-# section 2's accumulated rows: the weight gradients summed into the fp32 main gradients by the matmul
-GRAPHS_GAF = "minibert, CUDA graphs, --gradient-accumulation-fusion"
-PACKED_GRAPHS_GAF = "minibert packed, CUDA graphs, --gradient-accumulation-fusion"
 CONTENDERS = {  # name -> (build(cfg, batches, device) -> step, config overrides)
     "minibert": (minibert_stepper, {}),
     "minibert packed": (minibert_stepper, {}),
     "minibert padded": (minibert_stepper, {"pack_tokens": False}),
     "minibert, CUDA graphs": (minibert_stepper, {"cuda_graph_impl": "local"}),
-    "minibert, levers off by default on": (minibert_stepper, {"gradient_accumulation_fusion": True}),
     "minibert packed, CUDA graphs": (minibert_stepper, {"cuda_graph_impl": "local"}),
-    GRAPHS_GAF: (minibert_stepper, {"cuda_graph_impl": "local", "gradient_accumulation_fusion": True}),
-    PACKED_GRAPHS_GAF: (minibert_stepper, {"cuda_graph_impl": "local", "gradient_accumulation_fusion": True}),
     SPARSE: (minibert_stepper, {"cuda_graph_impl": "local", "sparse_mlm": True}),
     "HF eager": (hf_stepper, {}),
     "HF compiled": (lambda cfg, batches, device: hf_stepper(cfg, batches, device, compiled=True), {}),
@@ -452,10 +453,9 @@ def section_2(settings):
         rows += share_rows(label, reference, cfg, batches, settings)
     packed = {contender: full for contender, full in reference.items() if contender.startswith("minibert packed")}
     rows += equal_tokens_rows(settings, mean_real_tokens(datasets[1][1]), packed) if packed else []
-    # with accumulation: the graphed contender where it runs, with and without the fusion (the eager step
-    # is host-paced at the default corpus's size, chapter 8 section 4.12); else the eager one (the CPU)
+    # with accumulation: the graphed contender where it runs (the eager step is host-paced at the default
+    # corpus's size, chapter 8 section 4.12); else the eager one (the CPU)
     accumulating = {c: full for c, full in packed.items() if "CUDA graphs" in c} or packed
-    accumulating.update({c: GRAPHS_GAF for c in contenders_for([PACKED_GRAPHS_GAF], settings)})
     return rows + (accumulated_rows(settings, accumulating) if accumulating else [])
 
 
@@ -547,7 +547,7 @@ def dataloader_ms_per_iteration(cfg, prefix, settings, graphed):
     """ms per train_step fed by the trainer's own DataLoader (its worker processes make the samples)."""
     _, (train_ds, _, _) = build_datasets(cfg, log=lambda line: None)
     loader = PrefetchingBatches(build_data_iterator(train_ds, 0, cfg, settings.device))
-    model, optimizer, scheduler = build_model_and_optimizer(cfg, settings.device)
+    model, optimizer, scheduler = build_as_trainer(cfg, settings.device)
     for _ in range(settings.warmup + (settings.steps if graphed else 0)):  # graphs: meet the row counts
         train_step(model, optimizer, scheduler, loader, cfg, settings.device)
     synchronize(settings.device)
@@ -566,12 +566,8 @@ LEVERS = {  # contender -> the flags it turns off
     "minibert, both off (the plain twins)": {"bias_dropout_fusion": False, "cross_entropy_loss_fusion": False},
     "minibert --no-residual-layernorm-fusion": {"residual_layernorm_fusion": False},
 }
-LEVERS_ON = {  # contender -> the flags it turns on (levers that are off by default until measured)
-    "minibert --gradient-accumulation-fusion": {"gradient_accumulation_fusion": True},
-}
 LEVERS_GRAPHED = {  # the same with CUDA graphs, where the host's launch cost is gone
     "minibert, CUDA graphs": {},
-    "minibert, CUDA graphs --gradient-accumulation-fusion": {"gradient_accumulation_fusion": True},
     "minibert, CUDA graphs --no-residual-layernorm-fusion": {"residual_layernorm_fusion": False},
     "minibert, CUDA graphs --no-adam-fusion": {"adam_fusion": False},
 }
@@ -591,7 +587,7 @@ def section_5(settings):
         batches = stream_batches(prefix, batches_needed(cfg, settings), micro, seq, settings.device)
         speed = {}
         graphed = {lever: {"cuda_graph_impl": "local", **flags} for lever, flags in LEVERS_GRAPHED.items()}
-        for lever, flags in {**LEVERS, **LEVERS_ON, **graphed}.items():
+        for lever, flags in {**LEVERS, **graphed}.items():
             result = measure("minibert", Config(**{**vars(cfg), **flags}), batches, settings)
             speed[lever] = result.samples / result.seconds
             ms = 1e3 * result.seconds / result.steps
@@ -602,18 +598,12 @@ def section_5(settings):
         for lever in list(LEVERS)[1:]:
             rows += print_rows([row(f"{label}: all fusions / {lever.replace('minibert ', '')}", full / speed[lever],
                                     "x", "seq/s ratio: the gain of what that contender turns off")])
-        for lever in LEVERS_ON:
-            rows += print_rows([row(f"{label}: {lever.replace('minibert ', '')} / all fusions", speed[lever] / full,
-                                    "x", "seq/s ratio: the gain of what that contender turns on")])
         base = "minibert, CUDA graphs"
         for lever in list(LEVERS_GRAPHED)[1:]:
             flag = lever.replace(base + " ", "")
-            off = flag.startswith("--no-")  # a lever on by default: the gain of what the contender turns off
-            ratio, what = (f"all fusions / {flag}", "off") if off else (f"{flag} / all fusions", "on")
-            gain = speed[base] / speed[lever] if off else speed[lever] / speed[base]
-            rows += print_rows([row(f"{label}: {ratio}, both with CUDA graphs", gain, "x",
-                                    f"seq/s ratio: the gain of what that contender turns {what}, host launch "
-                                    "cost gone")])
+            rows += print_rows([row(f"{label}: all fusions / {flag}, both with CUDA graphs",
+                                    speed[base] / speed[lever], "x", "seq/s ratio: the gain of what that "
+                                    "contender turns off, host launch cost gone")])
     return rows
 
 

@@ -107,10 +107,6 @@ class Config:
                                        "(default: max(40M, 1M x DP), as Megatron)")
     overlap_grad_reduce: bool = _flag(False, "all-reduce each bucket during the last micro-batch's backward, "
                                              "as soon as its gradients are ready")
-    gradient_accumulation_fusion: bool = _flag(
-        False, "the weight-gradient matmul adds into the fp32 main grad itself (no 16-bit .grad, no add "
-               "pass; minibert/model/linear.py). Megatron's default is on; here off: timed in whole steps, no gain",
-        action=argparse.BooleanOptionalAction)
     data_parallel_size: int = field(default=1, metadata=dict(help=None))  # world / (TP x PP), set by validate
     # ---- batch and schedule ----
     micro_batch_size: int = _flag(None, "samples per forward/backward on one GPU")

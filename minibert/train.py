@@ -47,6 +47,7 @@ from minibert.data.batches import (  # noqa: F401
 )
 from minibert.errors import UsageError, exit_on_usage_error, write_line
 from minibert.fast.cuda_graphs import forward_backward_captured
+from minibert.fast.levers import apply_levers
 from minibert.model.attention import reads_packed_rows
 from minibert.model.bert import pretraining_loss
 from minibert.parallel import faults
@@ -57,7 +58,7 @@ from minibert.parallel.pipeline import (
     forward_pipelining,
 )
 from minibert.parallel.state import Launch, ParallelState
-from minibert.training import checkpoint, resume
+from minibert.training import checkpoint, resume, save_lock
 from minibert.training.build import (
     as_chunks,
     as_state,
@@ -249,7 +250,7 @@ def train(cfg, on_log=None, device=None) -> TrainResult:
     faults.register(state)
     lock = None
     try:
-        lock = checkpoint.claim(cfg, state)  # --save: this run's alone (a lock) before anything is written
+        lock = save_lock.claim(cfg, state)  # --save: this run's alone (a lock) before anything is written
         result = _train(cfg, state, on_log)
     except UsageError as e:  # a mistake every rank meets prints on every rank; one rank's is recorded too
         faults.record(state, e)
@@ -259,7 +260,7 @@ def train(cfg, on_log=None, device=None) -> TrainResult:
             raise
         faults.handle(state, e, cfg.distributed_timeout_minutes)  # one line per rank, exit 1: never a hang
     finally:
-        checkpoint.unlock_directory(lock)
+        save_lock.unlock_directory(lock)
     state.destroy()
     return result
 
@@ -269,6 +270,7 @@ def _train(cfg, state, on_log) -> TrainResult:
     logger = TrainingLogger(cfg, state.device, on_log, state)
     _, (train_ds, valid_ds, test_ds) = build_datasets(cfg, state, log=logger.print)
     model, optimizer, scheduler = build_model_and_optimizer(cfg, state)
+    apply_levers(model, optimizer, cfg)  # chapter 8's fused kernels, where the flags turn them on
     chunks, pipeline = as_chunks(model), build_pipeline(cfg, state)
     stream = data_stream(cfg)
     if state.dp_rank == 0:

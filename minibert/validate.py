@@ -13,7 +13,7 @@ import sys
 
 from minibert.config import PRESETS, Config, _flag_name, parse_split
 from minibert.errors import UsageError
-from minibert.training.checkpoint import check_save_owner
+from minibert.training.save_lock import check_save_owner
 
 
 def _warn(message):

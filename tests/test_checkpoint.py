@@ -1,5 +1,6 @@
 """minibert.training.checkpoint: Megatron's layout, weights_only loading, atomic writes, clear errors, and checkpoints
-written under older parameter names (tests/data/pre_rename_checkpoint) loading under today's."""
+written under older parameter names (tests/data/pre_rename_checkpoint) loading under today's; and the --save
+directory's lock (minibert.training.save_lock)."""
 import os
 import random
 import socket
@@ -12,7 +13,7 @@ from minibert.config import Config
 from minibert.errors import UsageError, exit_on_usage_error
 from minibert.model.bert import BertModel
 from minibert.tools import reshard
-from minibert.training import checkpoint, resume
+from minibert.training import checkpoint, resume, save_lock
 from minibert.training.build import build_grad_buffers, build_model_and_optimizer
 from minibert.training.lr_schedule import build_scheduler
 from minibert.training.optim import build_optimizer
@@ -176,19 +177,19 @@ def test_model_shape_mismatch_is_a_usage_error(tmp_path):
 def test_a_lock_from_another_host_or_unreadable_is_reported_with_the_file_to_delete(tmp_path):
     """This host cannot tell whether another host's process lives: the lock stays, and the one line names the
     file to delete. (The same-host cases, live and dead, run through the trainer in tests/test_train_safety.py.)"""
-    lock = tmp_path / checkpoint.LOCK_FILENAME
+    lock = tmp_path / save_lock.LOCK_FILENAME
     for text, named in (("node-17 4242\n", "process 4242 on host node-17"), ("", "an unreadable lock")):
         lock.write_text(text)
         with pytest.raises(UsageError) as info:
-            checkpoint.lock_directory(str(tmp_path))
+            save_lock.lock_directory(str(tmp_path))
         assert named in str(info.value) and f"delete {lock}" in str(info.value) and lock.read_text() == text
     lock.unlink()
-    path = checkpoint.lock_directory(str(tmp_path))
+    path = save_lock.lock_directory(str(tmp_path))
     assert lock.read_text().split() == [socket.gethostname(), str(os.getpid())]
-    checkpoint.unlock_directory(path)
+    save_lock.unlock_directory(path)
     assert not lock.exists()
     with pytest.raises(UsageError, match="--overwrite-save would delete the checkpoints --load"):
-        checkpoint.check_save_owner(str(tmp_path), str(tmp_path), overwrite_save=True)
+        save_lock.check_save_owner(str(tmp_path), str(tmp_path), overwrite_save=True)
 
 
 # Written by commit 9d2e13f (README.txt there says how), before TransformerLayer's LayerNorms took megatron-core's

@@ -155,20 +155,21 @@ def test_a_column_slice_of_padded_logits_gets_its_gradient_without_autograds_cop
 
 @pytest.mark.parametrize("written_out", (False, True), ids=("F.linear", "LinearFunction"))
 def test_the_lm_heads_decoder_hands_the_loss_its_padded_logits(monkeypatch, written_out):
-    """The model's own TiedDecoder on [b, s, h], through either path minibert.model.linear takes: F.linear (the
-    CPU's) and LinearFunction (what the GPU runs in 16-bit; chosen here on the CPU by its device check).
-    A 3-D product made inside LinearFunction is a view autograd does not track, which left the slice
-    backward (a fill and a copy of the whole gradient, 3 ms of a BERT-base step on an H200) in place:
-    the decoder multiplies 2-D rows so that either way the loss's graph has no slice node."""
+    """The LM head's decoder on [b, s, h], through either path: the core's TiedDecoder (F.linear, as on the
+    CPU) and the GEMV lever's Decoder taking LinearFunction (what the GPU runs in 16-bit; chosen here on the
+    CPU by its device check). A 3-D product made inside LinearFunction is a view autograd does not track,
+    which would leave the slice backward (a fill and a copy of the whole gradient) in place: the decoder
+    multiplies 2-D rows so that either way the loss's graph has no slice node."""
+    import minibert.fast.linear as linear_module
     from minibert.model.bert import TiedDecoder
-    from minibert.model.bert import linear as linear_module
     monkeypatch.setattr(linear_module, "written_out_backward", lambda x, weight: written_out)
     g = torch.Generator().manual_seed(5)
     table = torch.randn(1024, 16, generator=g).requires_grad_()          # padded vocab 1024, real 1000
     bias = torch.zeros(1024, requires_grad=True)
     hidden = torch.randn(2, 3, 16, generator=g)
     labels = torch.tensor([3, 999, -1, 0, 512, 7])
-    logits = TiedDecoder(1000)(hidden, table, bias)                       # [2, 3, 1000]
+    decoder = linear_module.Decoder(1000) if written_out else TiedDecoder(1000)
+    logits = decoder(hidden, table, bias)                                 # [2, 3, 1000]
     assert logits.shape == (2, 3, 1000)
     assert (type(logits._base.grad_fn).__name__ == "LinearFunctionBackward") == written_out
     loss = fused_cross_entropy(logits.reshape(-1, 1000), labels)

@@ -222,30 +222,3 @@ def test_what_a_graph_records_is_the_eager_schedules_micro_batch(tiny_data):
     keys = [shape_key(batch, 2) for batch in batches]
     rows = [len(batch["packing"].index) for batch in batches]
     assert (keys[0] == keys[1]) == (rows[0] == rows[1]) and all(r % 64 == 0 for r in rows)
-
-
-def test_the_warm_up_leaves_fused_main_grads_as_they_were(tiny_data):
-    """--gradient-accumulation-fusion: the weight-gradient matmuls add into the main grads themselves, so
-    the warm-up's accumulate=False cannot keep its gradients out; main_grads_kept puts the buffers back.
-    On the CPU (the fused path runs there too): a micro-batch's backward changes the main grads, the same
-    backward inside main_grads_kept leaves them bit-identical."""
-    from minibert.data.batches import build_data_iterator, build_datasets
-    from minibert.fast.cuda_graphs import forward_backward, main_grads_kept
-    from minibert.train import forward_step, get_batch
-    from minibert.training.build import build_model_and_optimizer
-    cfg = tiny_trainer_config(tiny_data, gradient_accumulation_fusion=True)
-    _, (train_ds, _, _) = build_datasets(cfg, log=lambda line: None)
-    device = torch.device("cpu")
-    batch = get_batch(build_data_iterator(train_ds, 0, cfg, device), device, cfg)
-    step = lambda b, model, _: forward_step(b, model, None, cfg=cfg)  # noqa: E731
-    torch.manual_seed(0)
-    model, optimizer, _ = build_model_and_optimizer(cfg, device)
-    optimizer.zero_grad()
-    forward_backward(step, model, optimizer, 2, batch)             # some gradient already accumulated
-    before = {n: p.main_grad.clone() for n, p in model.named_parameters()}
-    with main_grads_kept(optimizer.grads):
-        forward_backward(step, model, optimizer, 2, batch, accumulate=False)
-    assert all(torch.equal(p.main_grad, before[n]) and p.grad is None for n, p in model.named_parameters())
-    forward_backward(step, model, optimizer, 2, batch, accumulate=False)   # without it: the fused weights moved
-    moved = [n for n, p in model.named_parameters() if not torch.equal(p.main_grad, before[n])]
-    assert moved and all(n.endswith("weight") for n in moved), moved

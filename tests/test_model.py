@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from minibert.config import Config
+from minibert.fast import residual
 from minibert.model.bert import BertModel, pretraining_loss
 
 VOCAB = 100  # padded to 128 by Megatron's rule
@@ -86,9 +87,11 @@ def _record(module, store, key):
 @pytest.mark.parametrize("chained", [False, True], ids=["own-LN1", "chained"])
 def test_pre_ln_structure(chained):
     """Megatron: no embedding LayerNorm, LN1 sees the raw residual stream, a final LayerNorm makes `hidden`.
-    Chained (--residual-layernorm-fusion, the default), the last layer's call returns its output with the
+    Chained (--residual-layernorm-fusion, a lever of minibert.fast), the last layer's call returns its output with the
     final LayerNorm of it, and forward hooks still see every layer."""
-    model, seen = tiny_model(post_ln=False, residual_layernorm_fusion=chained), {}
+    model, seen = tiny_model(post_ln=False), {}
+    if chained:
+        residual.apply(model, tiny_config(residual_layernorm_fusion=True))
     assert model.embedding.layernorm is None and model.final_layernorm is not None
     layer = model.layers[0]
     for key, module in [("emb", model.embedding), ("ln1", layer.input_layernorm),
@@ -176,7 +179,7 @@ def test_accuracy_counts_the_masked_positions_whose_label_is_the_argmax():
     loss_mask = (labels != -1).long()
     binary_logits = torch.tensor([[0.5, 0.5], [1.0, -1.0], [0.0, 2.0]])
     is_random = torch.tensor([1, 1, 1])                 # right (a tie), wrong, right
-    losses = {"plain": partial(lm_cross_entropy, fused=False),
+    losses = {"plain": lm_cross_entropy,
               "vocab-parallel": partial(vocab_parallel_cross_entropy, group=None, vocab_start=0, vocab_size=3)}
     for name, cross_entropy in losses.items():
         logits = padded if name == "vocab-parallel" else padded[..., :3]   # the plain path gets the real vocab

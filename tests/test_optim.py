@@ -25,11 +25,23 @@ def finalized_step(opt, nonfinite_loss=None):
     return opt.step(nonfinite_loss)
 
 
-def one_process_optimizer(model, **kwargs):
-    """The optimizer over one process's gradient buckets (what build_optimizer makes from a Config);
-    kernel="triton" runs minibert/fast/adamw.py under the interpreter (conftest sets TRITON_INTERPRET)."""
+def use_kernel(optimizer, kernel):
+    """kernel "torch": the plain optimizer (PyTorch's fused AdamW); "triton": the --adam-fusion lever,
+    minibert/fast/adamw.py, run here under the interpreter (conftest sets TRITON_INTERPRET)."""
+    if kernel == "triton":
+        pytest.importorskip("triton")
+        from minibert.fast.adamw import FusedAdamW
+        optimizer.__class__ = FusedAdamW
+    else:
+        optimizer.__class__ = MixedPrecisionOptimizer
+    return optimizer
+
+
+def one_process_optimizer(model, kernel="torch", **kwargs):
+    """The optimizer over one process's gradient buckets (what build_optimizer makes from a Config), with
+    the update `kernel` (use_kernel)."""
     state = ParallelState()
-    return MixedPrecisionOptimizer([DataParallelGrads(model, state)], state, **kwargs)
+    return use_kernel(MixedPrecisionOptimizer([DataParallelGrads(model, state)], state, **kwargs), kernel)
 
 
 def tiny_bert_config(**overrides):
@@ -311,8 +323,8 @@ def test_a_steps_first_fold_copies_and_zeroes_what_got_no_gradient():
     opt.zero_grad()
     grads.finish()  # a step in which no gradient arrived: zeros
     assert not grads.fresh and all(bucket.grad_data.eq(0).all() for bucket in grads.buckets)
-    eager = DataParallelGrads(Tiny(torch.bfloat16), ParallelState(), gradient_accumulation_fusion=True)
-    assert not eager.copy_first  # there the matmuls add into main_grad before any fold: zeroed at once
+    eager = DataParallelGrads(Tiny(torch.bfloat16), ParallelState(dp=2), overlap=True)
+    assert not eager.copy_first  # there the overlap hook adds into main_grad before any fold: zeroed at once
     eager.buckets[0].grad_data.fill_(3.0)
     eager.zero()
     assert all(bucket.grad_data.eq(0).all() for bucket in eager.buckets) and not eager.fresh
@@ -325,7 +337,7 @@ def test_optimizer_state_dict_roundtrip_weights_only(save_kernel, load_kernel):
     torch.manual_seed(0)
     model = BertModel(cfg).to(torch.bfloat16)
     opt = build_optimizer(build_grad_buffers(model, cfg), cfg)
-    opt.kernel = save_kernel
+    use_kernel(opt, save_kernel)
     tokens = torch.randint(0, 50, (2, 8))
 
     def step(m, o):
@@ -341,10 +353,10 @@ def test_optimizer_state_dict_roundtrip_weights_only(save_kernel, load_kernel):
     model2 = BertModel(cfg).to(torch.bfloat16)
     model2.load_state_dict(loaded["model"])
     opt2 = build_optimizer(build_grad_buffers(model2, cfg), cfg)
-    opt2.kernel = load_kernel
+    use_kernel(opt2, load_kernel)
     opt2.load_state_dict(loaded["optimizer"])
     assert opt2.steps_made == 1
-    opt.kernel = load_kernel
+    use_kernel(opt, load_kernel)
     step(model, opt)
     step(model2, opt2)
     for a, b in zip(opt.master_params, opt2.master_params):

@@ -20,8 +20,7 @@ LAYOUTS = {
                      "--pipeline-trace"]),  # read by test_pipeline_trace_prints_each_send_and_receive too
     "pp4-1f1b": (4, ["--pipeline-model-parallel-size", 4]),
     "pp4-afab": (4, ["--pipeline-model-parallel-size", 4, "--pipeline-schedule", "afab"]),
-    "pp2-interleaved": (2, ["--pipeline-model-parallel-size", 2, "--num-layers-per-virtual-pipeline-stage", 1,
-                            "--gradient-accumulation-fusion"]),  # fused weights, the tied table not
+    "pp2-interleaved": (2, ["--pipeline-model-parallel-size", 2, "--num-layers-per-virtual-pipeline-stage", 1]),
     "tp2-pp2": (4, ["--pipeline-model-parallel-size", 2, "--tensor-model-parallel-size", 2, "--sequence-parallel",
                     "--no-residual-layernorm-fusion"]),  # each layer's own LN1 (the others: chained, the default)
     "dp2-pp2": (4, ["--pipeline-model-parallel-size", 2, "--use-distributed-optimizer"]),

@@ -1,7 +1,7 @@
 """Tensor parallelism on CPU (gloo): every layer against nn.Linear / nn.Embedding / F.cross_entropy at TP 2
 and 4 (tests/distributed/check_tp_layers.py), the layout-invariant init, the collectives per layer, and the
 whole model through `torchrun minibert/train.py`: TP 2, TP 4, TP 2 with sequence parallelism (and
---no-residual-layernorm-fusion: the others chain the LayerNorms, the default), TP 2 x DP 2 (with --gradient-accumulation-fusion) give the single-process
+--no-residual-layernorm-fusion: the others chain the LayerNorms, the default), TP 2 x DP 2 give the single-process
 losses, accuracies and grad norms (relative 1e-5); bad layouts are refused before any collective
 (checked in-process; tests/test_data_parallel.py shows every rank's line through torchrun)."""
 import os
@@ -19,8 +19,7 @@ LAYOUTS = {
     "tp4": (4, ["--tensor-model-parallel-size", 4]),
     "tp2-sp": (2, ["--tensor-model-parallel-size", 2, "--sequence-parallel",
                    "--no-residual-layernorm-fusion"]),  # each layer's own LN1 (the others: chained, the default)
-    "tp2-dp2": (4, ["--tensor-model-parallel-size", 2, "--use-distributed-optimizer",
-                    "--gradient-accumulation-fusion"]),  # the column-parallel weights' grads into main_grad
+    "tp2-dp2": (4, ["--tensor-model-parallel-size", 2, "--use-distributed-optimizer"]),
 }
 
 

@@ -19,7 +19,7 @@ from minibert.preprocess import preprocess
 from minibert.tools import reshard
 from minibert.train import get_batch
 from minibert.train import main as train_main
-from minibert.training import checkpoint
+from minibert.training import checkpoint, save_lock
 from tests import launch
 
 ROOT = launch.ROOT
@@ -194,7 +194,7 @@ def test_a_save_directory_belongs_to_one_run_and_a_failed_save_leaves_nothing(ti
     assert after.returncode == 0, after.stderr[-2000:]
     assert f"process {job.process.pid}, which has ended; taking it over" in after.stderr
     assert "removed 0.1 MB of temporary files" in after.stdout and not stale.exists()
-    assert tracker.read_text() == "3" and not (save / checkpoint.LOCK_FILENAME).exists()
+    assert tracker.read_text() == "3" and not (save / save_lock.LOCK_FILENAME).exists()
     again = launch.run(1, args(tiny_data, "--train-iters", 2, "--save-interval", 1, "--save", save,
                                "--overwrite-save"))
     assert again.returncode == 0, again.stderr[-2000:]

@@ -12,8 +12,8 @@ The update (decoupled weight decay, as torch.optim.AdamW and Megatron's 'adam'),
     p  = p - lr / (1 - b1^t) x m / (sqrt(v) / sqrt(1 - b2^t) + eps)
     p16 = p rounded to the model's dtype     (16-bit runs only: the weights the next forward reads)
 
-The plain twin (minibert.training.optim with kernel="torch", and every CPU run) is PyTorch's fused AdamW, one
-multi-tensor kernel, then one copy per bucket. Bytes per parameter, fp32 unless said:
+The plain twin (minibert.training.optim's MixedPrecisionOptimizer; --no-adam-fusion, and every CPU run) is
+PyTorch's fused AdamW, one multi-tensor kernel, then one copy per bucket. Bytes per parameter, fp32 unless said:
 
     torch fused AdamW   read p, g, m, v (16); write p, m, v (12), and g (4): with a grad_scale it
                         stores the divided gradient back                                      32
@@ -36,6 +36,7 @@ tensor); each program reads it and empties its range, so a skipped step stores n
 sync. The bias corrections need the step number t; the host knows it (it counts the steps that were
 made, from each step's one sync), so they arrive as two scalars the host computed in double precision.
 
+FusedAdamW is the optimizer with this kernel as its update; apply(optimizer) turns a built one into it.
 Runs on CUDA, or on CPU with TRITON_INTERPRET=1 (the tests: the same kernel source, interpreted)."""
 import math
 
@@ -44,6 +45,7 @@ import triton
 import triton.language as tl
 
 from minibert.kernels import interpreting
+from minibert.training.optim import MixedPrecisionOptimizer, no_weight_decay
 
 # Elements per program, and warps: 512 and 4 (4 elements a thread, one 16-byte load of each fp32 buffer),
 # picked by `python bench/adamw_bench.py --sweep`, results in bench/adamw_h100.txt. The smaller the
@@ -116,3 +118,24 @@ def adamw_(master, grad, exp_avg, exp_avg_sq, table, *, divisor, found_inf, lr, 
         master, grad, exp_avg, exp_avg_sq, master if model_copy is None else model_copy, starts, ends, decays,
         divisor, found_inf, lr, weight_decay, beta1, beta2, eps, step_size, bias_correction2_sqrt,
         BLOCK=block or block_size(), COPY=model_copy is not None, num_warps=1 if interpreting() else warps)
+
+
+class FusedAdamW(MixedPrecisionOptimizer):
+    """MixedPrecisionOptimizer whose update is adamw_ above, one launch per bucket shard."""
+
+    def update(self, divisor, found_inf):
+        group = self.param_groups[0]  # the decayed parameters' group (if none, no chunk is decayed)
+        for shard in self.shards:
+            if getattr(shard, "table", None) is None:  # made at the first step, kept
+                shard.table = program_table([(pc.lo, pc.hi) for pc in shard.pieces],
+                                            [not no_weight_decay(pc.name, pc.param) for pc in shard.pieces],
+                                            block_size(), shard.master.device)
+            adamw_(shard.master, shard.grad, shard.exp_avg, shard.exp_avg_sq, shard.table, divisor=divisor,
+                   found_inf=found_inf, lr=group["lr"], weight_decay=group["weight_decay"], betas=group["betas"],
+                   eps=group["eps"], step=self.steps_made + 1, model_copy=shard.model_values)
+
+
+def apply(optimizer):
+    """A built MixedPrecisionOptimizer -> FusedAdamW (its buffers, state and groups kept)."""
+    optimizer.__class__ = FusedAdamW
+    return optimizer

@@ -32,9 +32,8 @@ micro-batch, and the optimizer step (its skip decision reads the grad norm on th
 
 Capture, once per shape: a warm-up forward + backward on a side stream first (kernels compile, with the
 seed read from memory as in the capture, and cuBLAS picks its algorithms and workspaces: a graph cannot
-record a first-time setup), which leaves no trace: its gradients are dropped, the random generators
-are put back, and with --gradient-accumulation-fusion, whose backward adds straight into the main grads,
-those are put back too (main_grads_kept). Then the capture itself, which runs nothing: the kernels it
+record a first-time setup), which leaves no trace: its gradients are dropped and the random generators
+are put back. Then the capture itself, which runs nothing: the kernels it
 records run at the first replay. A model's graphs share one memory pool and one
 capture stream: each replay's temporaries are dead once it ends (its outputs are copied at once, its
 gradients are in the main grads), so the next graph may reuse their memory, and b graphs cost about the
@@ -53,7 +52,6 @@ What production does: Megatron's --cuda-graph-impl local (CudaGraphManager) capt
 layer's forward and backward separately, which keeps the pipeline schedule and the collectives between
 the graphs; --cuda-graph-scope full_iteration captures a whole step. minibert captures whole micro-batches:
 fewer host calls than per-layer graphs, and one idea to read."""
-import contextlib
 import gc
 import weakref
 
@@ -98,7 +96,7 @@ class CapturedMicroBatch:
                         "loss_positions": self.static.get("loss_positions"), "lm_rows": self.static.get("lm_rows")}
         run = lambda accumulate: forward_backward(forward_step, model, optimizer, num_micro_batches,  # noqa: E731
                                                   static_batch, accumulate)
-        warm_up(run, stream, [model.grad_buffers])  # warm-up and capture on the model's side stream (ModelGraphs)
+        warm_up(run, stream)  # warm-up and capture on the model's side stream (ModelGraphs)
         self.graph = torch.cuda.CUDAGraph()
         # thread_local: only this thread is barred from unsafe CUDA calls while recording (the DataLoader's
         # pin-memory thread keeps pinning batches meanwhile); no garbage collection while recording: what it
@@ -149,39 +147,18 @@ def forward_backward(forward_step, model, optimizer, num_micro_batches, batch, a
     return torch.stack([loss.detach(), metrics["lm loss"], sop]), counts, "sop loss" in metrics
 
 
-def warm_up(run, stream, grads=()):
-    """run(accumulate=False) once on `stream`, leaving no trace: no gradient is kept, the main grads of
-    `grads` (the optimizer's DataParallelGrads) are as they were, and so are the CPU and CUDA generators.
-    Its dropout seeds are drawn on the device, as in the capture, so the kernels the graph records (their
-    SEED_IN_MEMORY variants) are compiled and loaded here."""
-    from minibert.kernels.dropout import (
-        seeds_on_device,  # Triton is imported only where its kernels run
-    )
+def warm_up(run, stream):
+    """run(accumulate=False) once on `stream`, leaving no trace: no gradient is kept and the CPU and CUDA
+    generators are as they were. Its dropout seeds are drawn on the device, as in the capture, so the
+    kernels the graph records (their SEED_IN_MEMORY variants) are compiled and loaded here."""
+    from minibert.kernels.dropout import seeds_on_device  # Triton is imported only where its kernels run
     states = torch.get_rng_state(), torch.cuda.get_rng_state()
-    with main_grads_kept(grads):
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream), seeds_on_device():
-            run(False)
-        torch.cuda.current_stream().wait_stream(stream)
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), seeds_on_device():
+        run(False)
+    torch.cuda.current_stream().wait_stream(stream)
     torch.set_rng_state(states[0])
     torch.cuda.set_rng_state(states[1])
-
-
-@contextlib.contextmanager
-def main_grads_kept(grads):
-    """Put the fp32 main grads of `grads` back as they were on entry. Only --gradient-accumulation-fusion
-    needs it: there the weight-gradient matmuls add into the main grads themselves (minibert/model/linear.py), so
-    accumulate=False cannot keep a warm-up's gradients out of them; a copy of the flat buffers (once per
-    captured shape) can. Without the fusion nothing is copied."""
-    from minibert.model.linear import fuses_weight_grad
-    buckets = [b for g in grads for b in g.buckets]
-    fused = any(fuses_weight_grad(p) for g in grads for p in g.params)
-    saved = [b.grad_data.clone() for b in buckets] if fused else []
-    try:
-        yield
-    finally:
-        for bucket, data in zip(buckets, saved):
-            bucket.grad_data.copy_(data)
 
 
 class ModelGraphs:

@@ -31,7 +31,6 @@ its full shape (init_parameters). The weights then do not depend on which parame
 or in which order: a stage holding layers 6..11, or a rank holding half of every matrix, draws exactly
 the numbers of the one-process model."""
 import contextlib
-import functools
 from collections import namedtuple
 
 import torch
@@ -41,23 +40,11 @@ from torch.utils.checkpoint import checkpoint
 
 from minibert.data.packing import gather_rows, scatter_rows
 from minibert.model.attention import attention_qkv, reads_packed_rows, resolve_backend
+from minibert.model.config import ModelConfig
 from minibert.model.init_weights import init_parameters  # noqa: F401 (BertModel's init; re-exported)
-from minibert.model.linear import Linear, linear
 
 BertOutput = namedtuple("BertOutput", ["lm_logits", "binary_logits", "hidden"])
 NUM_TOKEN_TYPES = 2  # sentence A / sentence B
-# The fused dropout + add + LayerNorm runs on tensors of at least this many elements. It won at 16.7M
-# (BERT-large micro-batch 32 x 512 x 1024) and 25M elements (BERT-base), where the GPU is busy with large
-# matmuls, but launched from Python its backward costs the host more than eager's ops do (the timings:
-# bench/notes-fusions.md, chapter 8, section 4.9): on small, host-bound steps (make train-small: 65k
-# elements) the plain ops run. The bound sits between those measured points; it was not itself measured.
-FUSED_LAYER_NORM_MIN_ELEMENTS = 1 << 22
-
-
-def fused_kernels_apply(x) -> bool:
-    """Where the fused Triton kernels (cross entropy; dropout + add + LayerNorm) replace their plain
-    twins: CUDA tensors in fp16/bf16. The CPU always runs the plain ops."""
-    return x.is_cuda and x.dtype in (torch.float16, torch.bfloat16)
 
 
 class Table(nn.Embedding):
@@ -120,8 +107,8 @@ class SelfAttention(nn.Module):
         super().__init__()
         h = config.hidden_size
         self.head_dim = h // config.num_attention_heads
-        self.query_key_value = Linear(h, 3 * h)  # column-parallel under TP
-        self.dense = Linear(h, h)  # row-parallel under TP; an "output projection" for the init
+        self.query_key_value = nn.Linear(h, 3 * h)  # column-parallel under TP
+        self.dense = nn.Linear(h, h)  # row-parallel under TP; an "output projection" for the init
         self.dropout = config.attention_dropout
         self.rng_context = contextlib.nullcontext
         self.recompute_core = config.recompute == "selective"  # keep q, k, v; redo softmax(qk^T)v in backward
@@ -166,8 +153,8 @@ class MLP(nn.Module):
 
     def __init__(self, config):
         super().__init__()
-        self.dense_h_to_4h = Linear(config.hidden_size, config.ffn_size)  # column-parallel under TP
-        self.dense_4h_to_h = Linear(config.ffn_size, config.hidden_size)  # row-parallel; output projection
+        self.dense_h_to_4h = nn.Linear(config.hidden_size, config.ffn_size)  # column-parallel under TP
+        self.dense_4h_to_h = nn.Linear(config.ffn_size, config.hidden_size)  # row-parallel; output projection
 
     def forward(self, x):
         return self.dense_4h_to_h(F.gelu(self.dense_h_to_4h(x)))
@@ -190,48 +177,20 @@ class TransformerLayer(nn.Module):
         self.mlp = MLP(config)
         self.dropout = config.hidden_dropout
         self.rng_context = contextlib.nullcontext  # sequence parallelism: each rank's own generator
-        self.fused = config.bias_dropout_fusion
 
-    def add_dropout_norm(self, x, y, layernorm=None):
-        """-> (x + drop(y), layernorm(x + drop(y)) or None): the residual add and the LayerNorm after it.
-
-        On a GPU in fp16/bf16 (and --bias-dropout-fusion, the default), for tensors of at least
-        FUSED_LAYER_NORM_MIN_ELEMENTS, one Triton kernel does all three, reading x and y once and writing
-        the sum and its normalised copy (minibert.fast.layer_norm; its dropout hashes each element's
-        position under a seed taken from torch's generator, so the dropped entries differ from F.dropout's, not
-        their distribution). Everywhere else: the plain ops, its twin."""
-        p = self.dropout if self.training else 0.0
+    def residual(self, x, y):
+        """x + dropout(y): the residual add, its dropout drawn under this layer's generator."""
         with self.rng_context():
-            if self.fused and fused_kernels_apply(x) and x.numel() >= FUSED_LAYER_NORM_MIN_ELEMENTS:
-                from minibert.fast.layer_norm import dropout_add_layer_norm
-                weight, bias = (None, None) if layernorm is None else (layernorm.weight, layernorm.bias)
-                eps = 0.0 if layernorm is None else layernorm.eps
-                return dropout_add_layer_norm(x, y, weight, bias, eps, p, None)
-            x = x + F.dropout(y, p, self.training)
-        return x, None if layernorm is None else layernorm(x)
+            return x + F.dropout(y, self.dropout, self.training)
 
-    def forward(self, x, padding_mask, backend, packing=None, normed=None, next_layernorm=None):
-        """x [b, s, h] (packed: [n, h]) -> the same shape; chained (normed or next_layernorm given: see
-        forward_chained) -> (x, next_layernorm(x) or None). Both go through the module call, so forward
-        hooks see every layer."""
-        if normed is None and next_layernorm is None:
-            return self.forward_chained(x, None, None, padding_mask, backend, packing)[0]
-        return self.forward_chained(x, normed, next_layernorm, padding_mask, backend, packing)
-
-    def forward_chained(self, x, normed, next_layernorm, padding_mask, backend, packing=None):
-        """-> (x, next_layernorm(x) or None). In pre-LN each layer ends with a residual add and no
-        LayerNorm, and the next layer starts with its LN1 of that sum: --residual-layernorm-fusion hands
-        the LayerNorm to the add (next_layernorm: the next layer's LN1, or the final LayerNorm), so one
-        fused kernel does both, and the next layer takes the result as `normed` (None: it runs its own LN1)."""
+    def forward(self, x, padding_mask, backend, packing=None):
+        """x [b, s, h] (packed: [n, h]) -> the same shape."""
+        attend = lambda y: self.self_attention(y, padding_mask, backend, packing)  # noqa: E731
         if self.post_ln:
-            _, x = self.add_dropout_norm(x, self.self_attention(x, padding_mask, backend, packing),
-                                         self.input_layernorm)
-            return self.add_dropout_norm(x, self.mlp(x), self.pre_mlp_layernorm)[1], None
-        if normed is None:
-            normed = self.input_layernorm(x)
-        x, normed = self.add_dropout_norm(x, self.self_attention(normed, padding_mask, backend, packing),
-                                          self.pre_mlp_layernorm)
-        return self.add_dropout_norm(x, self.mlp(normed), next_layernorm)
+            x = self.input_layernorm(self.residual(x, attend(x)))
+            return self.pre_mlp_layernorm(self.residual(x, self.mlp(x)))
+        x = self.residual(x, attend(self.input_layernorm(x)))
+        return self.residual(x, self.mlp(self.pre_mlp_layernorm(x)))
 
 
 class TiedDecoder(nn.Module):
@@ -242,23 +201,17 @@ class TiedDecoder(nn.Module):
     over tensor-parallel ranks). The matmul runs over the whole padded table, because a multiple of 128
     columns is what the GPU's matmul kernels are fastest at (an odd width like 30524 falls back to slower
     kernels), and the padded columns are then cut off as a view, so the softmax/CE only ever covers the real
-    vocab: the padding can never change the loss, whatever its rows hold. (The fused loss hands its
-    gradient to the padded logits directly, so the view costs no copy in the backward either:
-    minibert.fast.cross_entropy._padded_base. That needs the padded logits to be a tensor autograd
-    tracks: the matmul runs on 2-D rows, whose [rows, padded vocab] product is the linear's own output. A
-    3-D input would come back as a view of a 2-D product made inside linear's autograd Function, which
-    autograd does not track, and the backward would copy the whole gradient again.) Tensor parallelism
-    swaps this module for a vocab-parallel one (each rank its block of rows; the cross entropy masks the
-    padding)."""
+    vocab: the padding can never change the loss, whatever its rows hold. The matmul runs on 2-D rows, so
+    the padded logits are the matmul's own output (the fused loss of chapter 8 hands its gradient to them
+    directly: minibert.fast.cross_entropy). Tensor parallelism swaps this module for a vocab-parallel one
+    (each rank its block of rows; the cross entropy masks the padding)."""
 
     def __init__(self, vocab_size):
         super().__init__()
         self.vocab_size = vocab_size
 
     def forward(self, x, weight, bias):
-        # [rows, h] @ [h, padded vocab] -> [rows, padded vocab]; the tied table also gets the embedding's
-        # gradient, so its gradient is not fused into main_grad (minibert/model/linear.py)
-        logits = linear(x.reshape(-1, x.shape[-1]), weight, bias, fuse_weight_grad=False)
+        logits = F.linear(x.reshape(-1, x.shape[-1]), weight, bias)  # [rows, h] @ [h, padded vocab]
         return logits.view(*x.shape[:-1], -1)[..., :self.vocab_size]  # the real vocab, a view: then padding
 
 
@@ -268,7 +221,7 @@ class LMHead(nn.Module):
     def __init__(self, config):
         super().__init__()
         h = config.hidden_size
-        self.dense = Linear(h, h)
+        self.dense = nn.Linear(h, h)
         self.layernorm = nn.LayerNorm(h, eps=config.layernorm_epsilon)
         self.bias = nn.Parameter(torch.zeros(config.padded_vocab_size))
         self.decoder = TiedDecoder(config.vocab_size)
@@ -299,14 +252,22 @@ class Layers(nn.ModuleDict):
         return super().__getitem__(str(index))
 
 
-def _run_layers(steps, x, normed, padding_mask, backend, packing=None):
-    """steps: (layer, the LayerNorm its closing add also computes, or None) in order -> (x, normed)."""
-    for layer, next_layernorm in steps:
-        if next_layernorm is None and normed is None:           # nothing handed on: a plain layer
-            x = layer(x, padding_mask, backend, packing)        # [b, s, h] or packed [n, h]
-        else:
-            x, normed = layer(x, padding_mask, backend, packing, normed=normed, next_layernorm=next_layernorm)
-    return x, normed
+def run_layers(layers, x, padding_mask, backend, packing=None):
+    for layer in layers:
+        x = layer(x, padding_mask, backend, packing)  # [b, s, h] or packed [n, h]
+    return x
+
+
+def recompute_groups(layers, config) -> list:
+    """[(the layers of a group, recomputed?)] in order. Full recompute (config.recompute "full") keeps only
+    each group's input and reruns its forward in the backward: uniform = groups of recompute_num_layers
+    layers, all recomputed; block = the first recompute_num_layers layers one by one, the rest stored."""
+    if config.recompute != "full":
+        return [(layers, False)]
+    k = config.recompute_num_layers or 1
+    if config.recompute_method == "uniform":
+        return [(layers[i:i + k], True) for i in range(0, len(layers), k)]
+    return [([layer], True) for layer in layers[:k]] + ([(layers[k:], False)] if layers[k:] else [])
 
 
 def label_is_max(logits, labels, ignore_index=-1):
@@ -318,20 +279,13 @@ def label_is_max(logits, labels, ignore_index=-1):
     return (labels != ignore_index) & (target == logits.max(dim=-1).values)
 
 
-def lm_cross_entropy(logits, labels, fused=False, with_correct=False):
+def lm_cross_entropy(logits, labels, with_correct=False):
     """Per-position CE in fp32 (bf16/fp16 logits lose too much precision in the log-softmax): logits
     [n, vocab], labels [n] (-1: not a masked position) -> [n]. Tensor parallelism swaps in a vocab-parallel
     cross entropy that takes logits [n, vocab / TP].
 
     with_correct=True: -> (loss [n], correct bool [n]), correct = label_is_max(logits, labels), what the
-    masked-LM accuracy counts.
-
-    fused=True (--cross-entropy-loss-fusion, the default) on a GPU with 16-bit logits: one Triton kernel
-    that reads the logits once and never makes their fp32 copy (minibert.fast.cross_entropy), the same
-    numbers up to the order of fp32 sums (and the same correct flags); the lines below are its plain twin."""
-    if fused and fused_kernels_apply(logits):
-        from minibert.fast.cross_entropy import fused_cross_entropy
-        return fused_cross_entropy(logits, labels, with_correct=with_correct)
+    masked-LM accuracy counts."""
     logits = logits.float()
     loss = F.cross_entropy(logits, labels, ignore_index=-1, reduction="none")
     return (loss, label_is_max(logits, labels)) if with_correct else loss
@@ -341,14 +295,15 @@ class BertModel(nn.Module):
     """BERT for pretraining: masked-LM head (tied) and, unless config.binary_head is False, the pooler and
     the sentence-order (SOP) binary head. See the module docstring for the picture.
 
-    BertModel(config) is the whole model. A pipeline stage passes the layers it owns (global indices:
+    BertModel(config) is the whole model (config: a ModelConfig, or the run's Config, whose model fields it
+    reads: ModelConfig.of). A pipeline stage passes the layers it owns (global indices:
     parameters keep their full-model names, e.g. layers.7.mlp...), pre_process (it has the embedding) and
     post_process (it has the final LayerNorm and the heads). init=False leaves the parameters
     uninitialised (e.g. built on the meta device, to be sharded before init_parameters)."""
 
     def __init__(self, config, layer_numbers=None, pre_process=True, post_process=True, init=True):
         super().__init__()
-        self.config = config
+        self.config = config = ModelConfig.of(config)
         self.pre_process, self.post_process = pre_process, post_process
         h, eps = config.hidden_size, config.layernorm_epsilon
         layer_numbers = range(config.num_layers) if layer_numbers is None else layer_numbers
@@ -360,10 +315,9 @@ class BertModel(nn.Module):
         if post_process:
             self.final_layernorm = None if config.post_ln else nn.LayerNorm(h, eps=eps)
             self.lm_head = LMHead(config)
-            self.pooler = Linear(h, h) if config.binary_head else None
-            self.binary_head = Linear(h, 2) if config.binary_head else None
-        # swappable (vocab-parallel under TP)
-        self.lm_cross_entropy = functools.partial(lm_cross_entropy, fused=config.cross_entropy_loss_fusion)
+            self.pooler = nn.Linear(h, h) if config.binary_head else None
+            self.binary_head = nn.Linear(h, 2) if config.binary_head else None
+        self.lm_cross_entropy = lm_cross_entropy  # swappable (vocab-parallel under TP)
         # Where the layers' region starts and ends: identities here; sequence parallelism scatters the
         # sequence over the tensor-parallel ranks on the way in and gathers it on the way out.
         self.to_layers, self.from_layers = nn.Identity(), nn.Identity()
@@ -385,37 +339,16 @@ class BertModel(nn.Module):
         return self.to_layers(x if packing is None else gather_rows(x, packing))
 
     def encode(self, x, padding_mask=None, packing=None):
-        """This model's layers (and, on the last stage of pre-LN, the final LayerNorm): [b, s, h] -> [b, s, h].
-
-        Full recompute (--recompute-granularity full) keeps only the input of each group of layers and
-        reruns the group's forward in the backward: uniform = groups of --recompute-num-layers layers,
-        block = the first --recompute-num-layers layers of this stage one by one, the rest stored.
-        --residual-layernorm-fusion (pre-LN): each layer's closing add computes the next layer's LN1, the
-        last one's the final LayerNorm (on the last stage; elsewhere the next stage's first layer runs
-        its own LN1)."""
+        """This model's layers (and, on the last stage of pre-LN, the final LayerNorm): [b, s, h] -> [b, s, h],
+        each group of layers recomputed in the backward where full recompute says so (recompute_groups)."""
         backend = self.attention_backend(x.device)  # once per forward, shared by every layer
-        layers = list(self.layers.values())
-        cfg = self.config
-        after = [None] * len(layers)  # the LayerNorm each layer's closing add computes
-        if cfg.residual_layernorm_fusion and not cfg.post_ln:
-            after = [layer.input_layernorm for layer in layers[1:]] + [
-                self.final_layernorm if self.post_process else None]
-        steps, normed = list(zip(layers, after)), None
-        if cfg.recompute == "full" and torch.is_grad_enabled():
-            k = cfg.recompute_num_layers or 1
-            groups = ([steps[i:i + k] for i in range(0, len(steps), k)] if cfg.recompute_method == "uniform"
-                      else [[step] for step in steps[:k]] + [steps[k:]])
-            for j, group in enumerate(groups):
-                recomputed = cfg.recompute_method == "uniform" or j < k
-                x, normed = checkpoint(_run_layers, group, x, normed, padding_mask, backend, packing,
-                                       use_reentrant=False) \
-                    if recomputed and group else _run_layers(group, x, normed, padding_mask, backend, packing)
-        else:
-            x, normed = _run_layers(steps, x, normed, padding_mask, backend, packing)
+        for layers, recomputed in recompute_groups(list(self.layers.values()), self.config):
+            if recomputed and torch.is_grad_enabled():
+                x = checkpoint(run_layers, layers, x, padding_mask, backend, packing, use_reentrant=False)
+            else:
+                x = run_layers(layers, x, padding_mask, backend, packing)
         if self.post_process:
-            if normed is not None:
-                x = normed                      # the final LayerNorm, from the last layer's closing add
-            elif self.final_layernorm is not None:
+            if self.final_layernorm is not None:
                 x = self.final_layernorm(x)
             x = self.from_layers(x)
         return x

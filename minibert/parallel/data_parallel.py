@@ -110,7 +110,7 @@ class DataParallelGrads:
     gather_params() after its update."""
 
     def __init__(self, model, state, *, bucket_size=None, distributed_optimizer=False, overlap=False,
-                 separate=(), gradient_accumulation_fusion=False):
+                 separate=()):
         self.group = state.group("data")
         self.dp = state.dp
         self.distributed_optimizer = distributed_optimizer
@@ -136,25 +136,18 @@ class DataParallelGrads:
         if self.overlap:  # only then must a gradient be seen the moment it is ready
             for p in self.params:
                 p.register_post_accumulate_grad_hook(self._ready)
-        for p in self.params:  # minibert/model/linear.py adds these weights' gradients into main_grad itself
-            p.main_grad_added = self._main_grad_added if gradient_accumulation_fusion else None
-        # Where something adds into main_grad before accumulate() runs (the fused weight-gradient matmuls,
-        # the overlap hook), the buffers are zeroed eagerly; otherwise the first fold copies (see above).
-        self.copy_first = not (gradient_accumulation_fusion or self.overlap)
+        # Where the overlap hook adds into main_grad before accumulate() runs, the buffers are zeroed
+        # eagerly; otherwise the first fold copies (see above).
+        self.copy_first = not self.overlap
         self.fresh = False  # True from zero() to the step's first fold: main_grad holds stale values
 
     def _ready(self, param):
         """--overlap-grad-reduce, last micro-batch: autograd has just made this parameter's gradient."""
         if not self.sync_now or param.grad is None:
-            return  # accumulate() adds it after the backward; None: fused, counted by _main_grad_added
+            return  # accumulate() adds it after the backward
         param.main_grad.add_(param.grad)  # fp32 += 16-bit (or fp32)
         param.grad = None
         self._arrived(param)
-
-    def _main_grad_added(self, param):
-        """--gradient-accumulation-fusion: LinearFunction added this weight's gradient into main_grad."""
-        if self.sync_now:
-            self._arrived(param)
 
     def _arrived(self, param):
         """The last micro-batch's gradient of `param` is in main_grad: start its bucket once all are."""

@@ -66,7 +66,8 @@ def _gone_ranks(state):
 
 
 def _alive(pid) -> bool:
-    """The process exists and is not a zombie (a killed worker stays one until torchrun reaps it)."""
+    """The process exists and is not a zombie (a killed worker stays one until torchrun reaps it). Also
+    what minibert/training/save_lock.py asks before taking over a lock left by a run of this host."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"

@@ -26,7 +26,6 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from minibert.model.linear import linear
 from minibert.parallel.mappings import (
     _gather_seq,
     _rank,
@@ -87,7 +86,7 @@ class ColumnParallelLinear(nn.Module):
         if self.sequence_parallel and self.group is not None:
             y = _LinearWithSequenceGather.apply(x, self.weight, self.bias, self.group)
         else:
-            y = linear(copy_to_tensor_parallel_region(x, self.group), self.weight, self.bias)  # f, then X A_r
+            y = F.linear(copy_to_tensor_parallel_region(x, self.group), self.weight, self.bias)  # f, then X A_r
         if self.gather_output:
             y = gather_from_tensor_parallel_region(y, self.group)
         return y
@@ -158,7 +157,7 @@ class VocabParallelDecoder(nn.Module):
 
     def forward(self, x, weight, bias):
         x = copy_to_tensor_parallel_region(x, self.group)
-        return linear(x, weight, bias, fuse_weight_grad=False)  # tied to the embedding: not fused
+        return F.linear(x, weight, bias)
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):

@@ -215,6 +215,11 @@ def from_hf(hf_dir: str, **overrides) -> BertModel:
     model_type, the heads from the weights present: the binary head is kept when the weights hold the
     pooler or the SOP head (Google's bert-base-uncased says "BertForMaskedLM" in its config yet ships
     both). `overrides` set Config fields, e.g. attention_backend="flash"."""
+    return _from_hf(hf_dir, **overrides)[0]
+
+
+def _from_hf(hf_dir: str, **overrides):
+    """-> (the BertModel, the run Config its shape came from)."""
     hf = _read_json(os.path.join(hf_dir, "config.json"))
     post_ln = {"bert": True, "megatron-bert": False}.get(hf.get("model_type"))
     if post_ln is None:
@@ -250,7 +255,7 @@ def from_hf(hf_dir: str, **overrides) -> BertModel:
         what = " and no ".join(f"{OPTIONAL_PARTS[p][1]} ({OPTIONAL_PARTS[p][0].rstrip('.')})" for p in fresh)
         print(f"warning: {hf_dir} has no {what}: {' and '.join(fresh)} start from minibert's random init; "
               "train before trusting what they predict", file=sys.stderr, flush=True)
-    return model
+    return model, config
 
 
 def _canonical_names(weights: dict) -> dict:
@@ -337,8 +342,7 @@ def hf_to_checkpoint(hf_dir: str, save_dir: str) -> str:
     """from-hf: HF_DIR -> SAVE/release/mp_rank_00/model_optim_rng.pt (+ SAVE/vocab.txt when HF_DIR has one)."""
     from minibert.training.checkpoint import save_weights
     require_new_directory(save_dir, "--save")  # never over a training run's checkpoints and tracker
-    model = from_hf(hf_dir)
-    cfg = model.config
+    model, cfg = _from_hf(hf_dir)
     tokenizer_config = os.path.join(hf_dir, "tokenizer_config.json")
     lower = _read_json(tokenizer_config).get("do_lower_case", True) if os.path.exists(tokenizer_config) else True
     cfg.tokenizer_type = "BertWordPieceLowerCase" if lower else "BertWordPieceCase"

@@ -110,8 +110,7 @@ def build_grad_buffers(model, cfg, state=None) -> list:
     for chunk in chunks:
         chunk.grad_buffers = DataParallelGrads(chunk, state, bucket_size=cfg.ddp_bucket_size,
                                                distributed_optimizer=cfg.use_distributed_optimizer,
-                                               overlap=cfg.overlap_grad_reduce, separate=separate,
-                                               gradient_accumulation_fusion=cfg.gradient_accumulation_fusion)
+                                               overlap=cfg.overlap_grad_reduce, separate=separate)
     return [chunk.grad_buffers for chunk in chunks]
 
 

@@ -13,11 +13,10 @@ its size (bf16 keeps 8 bits of mantissa: 1 + 2^-9 rounds back to 1).
                      | and skips a bad step itself: both decided on the device (see step())
                      (fp32 master params, fp32 main grads, fp32 Adam moments)
 
-Two kernels do the update. On a GPU, minibert/fast/adamw.py: one Triton pass per bucket shard that
-reads each fp32 buffer once and writes the 16-bit weights on its way out (30 bytes a parameter). Its
-plain twin, and the CPU's path, is PyTorch's fused AdamW followed by a copy back (38 bytes: it also
-stores the divided gradients). Both keep Adam's moments in the same flat buffers, so checkpoints do not
-depend on the kernel (kernel="torch" or "triton" chooses; tests/test_optim.py checks they agree).
+The update is PyTorch's fused AdamW followed by a copy back into the 16-bit weights. (On a GPU,
+--adam-fusion, a lever of chapter 8, replaces it with one Triton pass that writes the 16-bit weights on
+its way out: minibert/fast/adamw.py. Both keep Adam's moments in the same flat buffers, so checkpoints
+do not depend on which ran.)
 
 The optimizer works on *pieces*: the part of each parameter that lies in this rank's shard of a bucket.
 Without ZeRO-1 the shard is the whole bucket, so every parameter is one whole piece and every DP rank
@@ -70,7 +69,7 @@ class Shard:
         self.master = values.float() if self.low_precision else values
         self.grad = bucket.grad_data[self.lo:self.hi]
         self.exp_avg, self.exp_avg_sq = torch.zeros_like(self.master), torch.zeros_like(self.master)
-        self.pieces, self.table = [], None  # table: the Triton kernel's chunks, made at its first step
+        self.pieces = []
 
     def copy_back(self):
         """The updated fp32 masters into the model's 16-bit weights (nothing to do in fp32 runs)."""
@@ -107,7 +106,7 @@ class MixedPrecisionOptimizer:
     the optimizer updates."""
 
     def __init__(self, grads: list, state: ParallelState, *, lr=0.0, weight_decay=0.01, betas=(0.9, 0.999),
-                 eps=1e-8, clip_grad=1.0, loss_scaler: DynamicLossScaler = None, shared_embedding=None, kernel=None):
+                 eps=1e-8, clip_grad=1.0, loss_scaler: DynamicLossScaler = None, shared_embedding=None):
         self.grads, self.state = grads, state
         self.clip_grad, self.loss_scaler = clip_grad, loss_scaler
         self.shared_embedding = shared_embedding  # pipelining: the tied word table (first stage) or its copy (last)
@@ -127,12 +126,9 @@ class MixedPrecisionOptimizer:
         self.pieces.sort(key=lambda pc: order[id(pc.param)])  # the model's order (buckets run backwards)
         self.low_precision = any(sh.low_precision for sh in self.shards)
         self.steps_made = 0  # updates applied so far (skipped steps do not count): AdamW's t - 1
-        # "triton": minibert/fast/adamw.py, AdamW and the copy back in one pass (CUDA, or the interpreter);
-        # "torch": PyTorch's fused AdamW (one kernel on CUDA and on the CPU), then the copy back: the plain twin
-        self.kernel = kernel or ("triton" if self.pieces and self.pieces[0].master.is_cuda else "torch")
         decay = [pc for pc in self.pieces if not no_weight_decay(pc.name, pc.param)]
         no_decay = [pc for pc in self.pieces if no_weight_decay(pc.name, pc.param)]
-        # the LR schedule sets each group's "lr"; the moments are views of the shards' flat buffers (either kernel)
+        # the LR schedule sets each group's "lr"; the moments are views of the shards' flat buffers
         self.param_groups = [{"pieces": pieces, "lr": lr, "weight_decay": decay_rate, "betas": betas, "eps": eps}
                              for pieces, decay_rate in ((decay, weight_decay), (no_decay, 0.0)) if pieces]
 
@@ -172,7 +168,7 @@ class MixedPrecisionOptimizer:
         """The update, from gradients that finalize_model_grads has made final. nonfinite_loss: 0-d device
         tensor, > 0 when a micro-batch's loss on this rank was inf/NaN.
 
-        The update is queued before the host learns whether to make it. AdamW (either kernel, see update)
+        The update is queued before the host learns whether to make it. AdamW (see update)
         takes two 0-d device tensors: it divides each gradient by a divisor before using it, and changes
         nothing (weights, moments, step count) where found_inf is 1. So unscaling
         (fp16), clipping and the decision to skip are computed on the device, and the one host sync of the
@@ -205,33 +201,19 @@ class MixedPrecisionOptimizer:
     def update(self, divisor, found_inf):
         """AdamW on every piece, each gradient divided by `divisor`, then the 16-bit weights from the
         masters; nothing changes where `found_inf` is 1 (both 0-d fp32 device tensors)."""
-        if self.kernel == "torch":
-            # PyTorch's fused AdamW (fused=True: one kernel for all of AdamW's elementwise work, on CUDA and on
-            # the CPU, and the one implementation that takes grad_scale and found_inf: step() says why it needs
-            # them), called as a function: the torch.optim class would hold nothing we use, and its first
-            # call imports torch's compiler, seconds of start-up for every run
-            for group in self.param_groups:
-                pieces = group["pieces"]
-                pytorch_adamw(
-                    [pc.master for pc in pieces], [pc.master.grad for pc in pieces], [pc.exp_avg for pc in pieces],
-                    [pc.exp_avg_sq for pc in pieces], [], [pc.step for pc in pieces], fused=True, grad_scale=divisor,
-                    found_inf=found_inf, amsgrad=False, beta1=group["betas"][0], beta2=group["betas"][1],
-                    lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
-            for shard in self.shards:
-                shard.copy_back()
-            return
-        from minibert.fast import adamw as adamw_kernel  # here: Triton is imported only where a kernel runs
-        group = self.param_groups[0]  # the decayed parameters' group (if none, no chunk is decayed)
+        # PyTorch's fused AdamW (fused=True: one kernel for all of AdamW's elementwise work, on CUDA and on
+        # the CPU, and the one implementation that takes grad_scale and found_inf: step() says why it needs
+        # them), called as a function: the torch.optim class would hold nothing we use, and its first
+        # call imports torch's compiler, seconds of start-up for every run
+        for group in self.param_groups:
+            pieces = group["pieces"]
+            pytorch_adamw(
+                [pc.master for pc in pieces], [pc.master.grad for pc in pieces], [pc.exp_avg for pc in pieces],
+                [pc.exp_avg_sq for pc in pieces], [], [pc.step for pc in pieces], fused=True, grad_scale=divisor,
+                found_inf=found_inf, amsgrad=False, beta1=group["betas"][0], beta2=group["betas"][1],
+                lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
         for shard in self.shards:
-            if shard.table is None:
-                shard.table = adamw_kernel.program_table(
-                    [(pc.lo, pc.hi) for pc in shard.pieces],
-                    [not no_weight_decay(pc.name, pc.param) for pc in shard.pieces],
-                    adamw_kernel.block_size(), shard.master.device)
-            adamw_kernel.adamw_(shard.master, shard.grad, shard.exp_avg, shard.exp_avg_sq, shard.table,
-                                divisor=divisor, found_inf=found_inf, lr=group["lr"], weight_decay=group["weight_decay"],
-                                betas=group["betas"], eps=group["eps"], step=self.steps_made + 1,
-                                model_copy=shard.model_values)
+            shard.copy_back()
 
     def _global_status(self, nonfinite_loss):
         """[||g||^2 over the whole model, count of bad losses], the same on every rank: one all-reduce
@@ -333,5 +315,4 @@ def build_optimizer(grads, cfg, state: ParallelState = None, shared_embedding=No
                                    cfg.loss_scale_window, cfg.hysteresis)
     return MixedPrecisionOptimizer(grads, state or ParallelState(), weight_decay=cfg.weight_decay,
                                    betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps,
-                                   clip_grad=cfg.clip_grad, loss_scaler=scaler, shared_embedding=shared_embedding,
-                                   kernel=None if cfg.adam_fusion else "torch")
+                                   clip_grad=cfg.clip_grad, loss_scaler=scaler, shared_embedding=shared_embedding)

@@ -46,11 +46,11 @@ def test_flash_attention_against_fp32_reference(dtype, s):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
 def test_linear_written_out_backward_equals_autograd(dtype):
-    """minibert.model.linear on CUDA in 16-bit (bias gradient as a GEMV) against F.linear's autograd, at a
-    BERT-large MLP shape."""
+    """minibert.fast.linear's `linear` on CUDA in 16-bit (bias gradient as a GEMV) against F.linear's
+    autograd, at a BERT-large MLP shape."""
     import torch.nn.functional as F
 
-    from minibert.model.linear import linear, written_out_backward
+    from minibert.fast.linear import linear, written_out_backward
     g = torch.Generator(device="cuda").manual_seed(0)
     x, w, b, dy = (torch.randn(*shape, device="cuda", generator=g, dtype=dtype)
                    for shape in ((8, 512, 1024), (4096, 1024), (4096,), (8, 512, 4096)))
@@ -66,54 +66,20 @@ def test_linear_written_out_backward_equals_autograd(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
-def test_gradient_accumulation_fusion_equals_the_plain_main_grads(dtype):
-    """--gradient-accumulation-fusion on CUDA in 16-bit (torch.addmm with out_dtype=float32 into the fp32
-    main grad) against the plain .grad + multi-tensor add, over two micro-batches of a small BertModel."""
-    from minibert.config import Config
-    from minibert.model.bert import BertModel
-    from minibert.model.linear import Linear
-    from minibert.parallel.data_parallel import finalize_model_grads
-    from minibert.parallel.state import ParallelState
-    from minibert.training.build import build_grad_buffers
-    from minibert.training.optim import build_optimizer
-    from minibert.validate import validate
-    main_grads = []
-    for fusion in (False, True):
-        cfg = validate(Config(num_layers=2, hidden_size=256, num_attention_heads=4, seq_length=128,
-                              max_position_embeddings=128, micro_batch_size=8, global_batch_size=16,
-                              train_iters=1, lr=1e-3, hidden_dropout=0.0, attention_dropout=0.0,
-                              bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
-                              gradient_accumulation_fusion=fusion), device_type="cuda", warn=None)
-        torch.manual_seed(0)
-        model = BertModel(cfg).to(device="cuda", dtype=dtype)
-        optimizer = build_optimizer(build_grad_buffers(model, cfg), cfg)
-        optimizer.zero_grad()
-        g = torch.Generator(device="cuda").manual_seed(3)
-        for _ in range(2):
-            text = torch.randint(0, cfg.padded_vocab_size, (8, 128), generator=g, device="cuda")
-            out = model(text, torch.zeros_like(text), padding_mask=torch.zeros_like(text, dtype=torch.bool))
-            (out.lm_logits.float().pow(2).mean() + out.binary_logits.float().sum()).backward()
-            fused_weights_without_grad = all(m.weight.grad is None for m in model.modules() if isinstance(m, Linear))
-            assert fused_weights_without_grad == fusion
-            for buffers in optimizer.grads:
-                buffers.accumulate()
-        main_grads.append({n: p.main_grad.clone() for n, p in model.named_parameters()})
-    for name, plain in main_grads[0].items():
-        assert rel(main_grads[1][name], plain) < 1e-2, name
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
 def test_adamw_kernel_equals_pytorch_fused_adamw_and_the_copy_back(dtype):
     """The optimizer's Triton kernel (minibert/fast/adamw.py, the default on CUDA) against its plain twin,
     PyTorch's fused AdamW then the copy back, over four steps of a small BertModel with clipping and (fp16) a
     dynamic loss scale: the masters agree to fp32 rounding, and the 16-bit weights are the masters rounded
-    to nearest, bit for bit (the interpreter's bf16 rounding cannot check that on the CPU)."""
+    to nearest, bit for bit (the interpreter's bf16 rounding cannot check that on the CPU). Both runs take
+    the trainer's levers (apply_levers), the plain one then swapped back to MixedPrecisionOptimizer."""
     from minibert.config import Config
+    from minibert.fast.adamw import FusedAdamW
+    from minibert.fast.levers import apply_levers
     from minibert.model.bert import BertModel
     from minibert.parallel.data_parallel import finalize_model_grads
     from minibert.parallel.state import ParallelState
     from minibert.training.build import build_grad_buffers
-    from minibert.training.optim import build_optimizer
+    from minibert.training.optim import MixedPrecisionOptimizer, build_optimizer
     from minibert.validate import validate
     runs = []
     for kernel in ("torch", "triton"):
@@ -125,8 +91,11 @@ def test_adamw_kernel_equals_pytorch_fused_adamw_and_the_copy_back(dtype):
         torch.manual_seed(0)
         model = BertModel(cfg).to(device="cuda", dtype=dtype)
         optimizer = build_optimizer(build_grad_buffers(model, cfg), cfg)
-        assert optimizer.kernel == "triton"  # the default on CUDA
-        optimizer.kernel = kernel
+        assert type(optimizer) is MixedPrecisionOptimizer  # built plain: the trainer applies the levers
+        apply_levers(model, optimizer, cfg)
+        assert type(optimizer) is FusedAdamW  # --adam-fusion, the default, on CUDA
+        if kernel == "torch":
+            optimizer.__class__ = MixedPrecisionOptimizer
         g = torch.Generator(device="cuda").manual_seed(3)
         for _ in range(4):
             optimizer.zero_grad()
@@ -247,7 +216,9 @@ def loss_and_grads(model, batch):
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
 @pytest.mark.parametrize("backend", ["fused", "flash"])
 def test_whole_model_backends_against_local(dtype, backend):
+    """Each attention backend against the local one, in the model the trainer runs (its default levers)."""
     from minibert.config import Config
+    from minibert.fast.levers import apply_levers
     from minibert.model.bert import BertModel
     cfg = Config(num_layers=2, hidden_size=256, num_attention_heads=4, seq_length=256, vocab_size=1000,
                  hidden_dropout=0.0, attention_dropout=0.0)
@@ -255,7 +226,9 @@ def test_whole_model_backends_against_local(dtype, backend):
     results = {}
     for name in ("local", backend):
         cfg.attention_backend = name
-        results[name] = loss_and_grads(BertModel(cfg).cuda().to(dtype), batch)
+        model = BertModel(cfg).cuda().to(dtype)
+        apply_levers(model, None, cfg)
+        results[name] = loss_and_grads(model, batch)
     (loss_a, grads_a), (loss_b, grads_b) = results["local"], results[backend]
     assert abs(float(loss_a - loss_b)) / float(loss_a) < 5e-3
     worst = max(rel(grads_b[n], grads_a[n]) for n in grads_a if grads_a[n].norm() > 0)
@@ -265,19 +238,26 @@ def test_whole_model_backends_against_local(dtype, backend):
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
 @pytest.mark.parametrize("post_ln", [False, True], ids=["pre-LN", "post-LN"])
 def test_fused_layer_norm_and_cross_entropy_equal_their_plain_twins(dtype, post_ln, monkeypatch):
-    """The whole model with --bias-dropout-fusion, --cross-entropy-loss-fusion and (pre-LN)
-    --residual-layernorm-fusion (the defaults) against all of them off, dropout 0: the same loss and gradients
-    up to 16-bit rounding (the LayerNorm's and the loss's fp32 sums run in other orders)."""
+    """The whole model with the levers apply_levers turns on by default (--bias-dropout-fusion,
+    --cross-entropy-loss-fusion, (pre-LN) --residual-layernorm-fusion, and the Linear's written-out
+    backward) against the plain model, dropout 0: the same loss and gradients up to 16-bit rounding (the
+    LayerNorm's, the loss's and the bias gradients' fp32 sums run in other orders)."""
     from minibert.config import Config
+    from minibert.fast import residual
+    from minibert.fast.levers import apply_levers
     from minibert.model.bert import BertModel
-    monkeypatch.setattr("minibert.model.bert.FUSED_LAYER_NORM_MIN_ELEMENTS", 0)  # this small model fuses too
+    monkeypatch.setattr(residual, "FUSED_MIN_ELEMENTS", 0)  # this small model fuses too
     batch = padded_batch(2)
+    cfg = Config(num_layers=2, hidden_size=256, num_attention_heads=4, seq_length=256, vocab_size=1000,
+                 hidden_dropout=0.0, attention_dropout=0.0, post_ln=post_ln)
     results = {}
     for fused in (True, False):
-        cfg = Config(num_layers=2, hidden_size=256, num_attention_heads=4, seq_length=256, vocab_size=1000,
-                     hidden_dropout=0.0, attention_dropout=0.0, post_ln=post_ln, bias_dropout_fusion=fused,
-                     cross_entropy_loss_fusion=fused, residual_layernorm_fusion=fused and not post_ln)
-        results[fused] = loss_and_grads(BertModel(cfg).cuda().to(dtype), batch)
+        model = BertModel(cfg).cuda().to(dtype)
+        if fused:
+            apply_levers(model, None, cfg)
+            assert isinstance(model.layers[0], residual.FusedTransformerLayer)
+            assert isinstance(model, residual.ChainedBertModel) != post_ln  # chaining: pre-LN only
+        results[fused] = loss_and_grads(model, batch)
     (loss_a, grads_a), (loss_b, grads_b) = results[False], results[True]
     assert abs(float(loss_a - loss_b)) / float(loss_a) < 5e-3
     worst = max(rel(grads_b[n], grads_a[n]) for n in grads_a if grads_a[n].norm() > 0)
@@ -286,14 +266,16 @@ def test_fused_layer_norm_and_cross_entropy_equal_their_plain_twins(dtype, post_
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
 def test_the_fused_loss_takes_the_padded_logits_without_a_slice_backward(dtype):
-    """In 16-bit on the GPU the decoder runs LinearFunction: the whole model's loss graph must reach its
-    [rows, padded vocab] output with no slice backward over the padded width (that node fills a zeroed
-    padded gradient and copies the real columns into it: 3 ms of a BERT-base step)."""
+    """With the default levers, in 16-bit on the GPU the decoder runs LinearFunction: the whole model's loss
+    graph must reach its [rows, padded vocab] output with no slice backward over the padded width (that node
+    fills a zeroed padded gradient and copies the real columns into it)."""
     from minibert.config import Config
+    from minibert.fast.levers import apply_levers
     from minibert.model.bert import BertModel, pretraining_loss
     from tests.autograd_graph import backward_nodes
     cfg = Config(num_layers=1, hidden_size=256, num_attention_heads=4, seq_length=256, vocab_size=1000)
     model = BertModel(cfg).cuda().to(dtype)
+    apply_levers(model, None, cfg)
     tokens, padding, loss_mask, labels, is_random = padded_batch(3)
     out = model(tokens, padding_mask=padding)
     loss, _, _ = pretraining_loss(out, labels, loss_mask, is_random, cross_entropy=model.lm_cross_entropy)
@@ -309,8 +291,10 @@ def test_fused_hidden_dropout_follows_torch_seed(monkeypatch):
     """With hidden dropout on, the fused kernel's dropout seed comes from torch's generator: the same
     torch.manual_seed gives the same loss and gradients, another seed other ones."""
     from minibert.config import Config
+    from minibert.fast import residual
+    from minibert.fast.levers import apply_levers
     from minibert.model.bert import BertModel, pretraining_loss
-    monkeypatch.setattr("minibert.model.bert.FUSED_LAYER_NORM_MIN_ELEMENTS", 0)
+    monkeypatch.setattr(residual, "FUSED_MIN_ELEMENTS", 0)
     g = torch.Generator().manual_seed(3)
     tokens = torch.randint(5, 1000, (8, 128), generator=g).cuda()
     loss_mask = (torch.rand(8, 128, generator=g) < 0.15).cuda().long()
@@ -319,6 +303,8 @@ def test_fused_hidden_dropout_follows_torch_seed(monkeypatch):
     cfg = Config(num_layers=2, hidden_size=256, num_attention_heads=4, seq_length=128, vocab_size=1000,
                  hidden_dropout=0.3, attention_dropout=0.0)
     model = BertModel(cfg).cuda().to(torch.bfloat16).train()
+    apply_levers(model, None, cfg)
+    assert isinstance(model.layers[0], residual.FusedTransformerLayer)
 
     def loss_for(seed):
         torch.manual_seed(seed)
@@ -333,13 +319,15 @@ def test_fused_hidden_dropout_follows_torch_seed(monkeypatch):
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 def test_packed_micro_batches_equal_the_padded_twin_on_the_gpu(tmp_path, dtype):
-    """Through the trainer's own pieces: the same loss from packed and padded micro-batches (flash, 16-bit)."""
+    """Through the trainer's own pieces, its levers applied: the same loss from packed and padded
+    micro-batches (flash, 16-bit)."""
     import dataclasses
 
     from minibert.config import Config
     from minibert.data.batches import build_data_iterator, build_datasets
     from minibert.data.corpus import write_default_corpus
     from minibert.data.tokenizer import build_tokenizer
+    from minibert.fast.levers import apply_levers
     from minibert.preprocess import preprocess
     from minibert.train import build_model_and_optimizer, forward_step, get_batch
     from minibert.validate import validate
@@ -355,7 +343,8 @@ def test_packed_micro_batches_equal_the_padded_twin_on_the_gpu(tmp_path, dtype):
     losses = {}
     for packed in (True, False):
         run_cfg = dataclasses.replace(cfg, pack_tokens=packed)
-        model, _, _ = build_model_and_optimizer(run_cfg, device)
+        model, optimizer, _ = build_model_and_optimizer(run_cfg, device)
+        apply_levers(model, optimizer, run_cfg)
         batch = get_batch(build_data_iterator(train_ds, 0, run_cfg, device), device, run_cfg)
         losses[packed] = forward_step(batch, model, None, run_cfg)[0].item()
     assert abs(losses[True] - losses[False]) / losses[False] < 1e-2, losses
