@@ -4,7 +4,7 @@ Shapes: the LM logits of one micro-batch, bf16 [n, 30592] (BERT's vocab padded t
 as the view [:, :30524] the model passes to the loss (padded_vocab_size - 68 columns: never copied):
     BERT-large, micro-batch 32 x s 512:  n = 16384   (1.0 GB of logits)
     BERT-base,  batch 256 x s 128:       n = 32768   (2.0 GB)
-Eager is minibert.model.bert.lm_cross_entropy (logits.float() + F.cross_entropy, reduction none); fused is
+Eager is minibert.model.loss.lm_cross_entropy (logits.float() + F.cross_entropy, reduction none); fused is
 minibert.fast.cross_entropy.fused_cross_entropy. Both are timed as loss -> torch.autograd.grad with the
 gradient of a masked mean (mask / count), i.e. what pretraining_loss runs. Two label patterns:
     all labelled     every row is a masked position (the model's --sparse-mlm path: only those rows exist)
@@ -33,7 +33,7 @@ import triton  # noqa: E402
 import triton.testing  # noqa: E402
 
 from minibert.fast import cross_entropy as ce  # noqa: E402
-from minibert.model.bert import lm_cross_entropy  # noqa: E402
+from minibert.model.loss import lm_cross_entropy  # noqa: E402
 
 PADDED_VOCAB, VOCAB = 30592, 30524
 SHAPES = {"BERT-large mb32 x s512": 16384, "BERT-base b256 x s128": 32768}

@@ -14,7 +14,8 @@ import triton.testing  # noqa: E402
 
 from minibert.config import Config  # noqa: E402
 from minibert.fast.levers import apply_levers  # noqa: E402
-from minibert.model.bert import BertModel, pretraining_loss  # noqa: E402
+from minibert.model.bert import BertModel  # noqa: E402
+from minibert.model.loss import pretraining_loss
 
 
 def batch(b, s, vocab, device, generator):

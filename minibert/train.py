@@ -49,7 +49,7 @@ from minibert.errors import UsageError, exit_on_usage_error, write_line
 from minibert.fast.cuda_graphs import forward_backward_captured
 from minibert.fast.levers import apply_levers
 from minibert.model.attention import reads_packed_rows
-from minibert.model.bert import pretraining_loss
+from minibert.model.loss import pretraining_loss
 from minibert.parallel import faults
 from minibert.parallel.data_parallel import finalize_model_grads
 from minibert.parallel.pipeline import (

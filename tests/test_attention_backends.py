@@ -11,7 +11,8 @@ import torch.nn.functional as F
 from minibert.config import Config
 from minibert.errors import UsageError
 from minibert.model.attention import attention, resolve_backend
-from minibert.model.bert import BertModel, pretraining_loss
+from minibert.model.bert import BertModel
+from minibert.model.loss import pretraining_loss
 
 VOCAB = 100
 

@@ -3,7 +3,7 @@ interpreter (conftest sets TRITON_INTERPRET=1).
 
 The oracle is written here, in float64 on the upcast inputs, as explicit max-shifted logsumexp minus the
 gathered target (not the module's code); its gradient comes from float64 autograd. The plain twin is
-minibert.model.bert.lm_cross_entropy (fp32 cast + F.cross_entropy), which the model runs without the kernel."""
+minibert.model.loss.lm_cross_entropy (fp32 cast + F.cross_entropy), which the model runs without the kernel."""
 import math
 
 import pytest
@@ -14,7 +14,7 @@ from minibert.fast.cross_entropy import (
     _FusedCrossEntropy,
     fused_cross_entropy,
 )
-from minibert.model.bert import lm_cross_entropy
+from minibert.model.loss import lm_cross_entropy
 from tests.autograd_graph import backward_nodes
 from tests.conftest import run_without_interpreter
 

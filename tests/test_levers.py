@@ -18,7 +18,8 @@ import minibert.fast.layer_norm as layer_norm_kernels
 from minibert.config import Config
 from minibert.fast import levers, residual
 from minibert.fast.levers import apply_levers
-from minibert.model.bert import BertModel, pretraining_loss
+from minibert.model.bert import BertModel
+from minibert.model.loss import pretraining_loss
 
 VOCAB, SEQ, HIDDEN, LAYERS = 200, 16, 32, 2
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "minibert"

@@ -8,7 +8,14 @@ import torch
 import torch.nn.functional as F
 
 import minibert.fast.linear as linear_module
-from minibert.fast.linear import Decoder, Linear, LinearFunction, apply, bias_grad, written_out_backward
+from minibert.fast.linear import (
+    Decoder,
+    Linear,
+    LinearFunction,
+    apply,
+    bias_grad,
+    written_out_backward,
+)
 
 
 def grads(fn, x, w, b, dy):

@@ -9,7 +9,8 @@ import torch.nn.functional as F
 
 from minibert.config import Config
 from minibert.fast import residual
-from minibert.model.bert import BertModel, pretraining_loss
+from minibert.model.bert import BertModel
+from minibert.model.loss import pretraining_loss
 
 VOCAB = 100  # padded to 128 by Megatron's rule
 
@@ -171,7 +172,8 @@ def test_accuracy_counts_the_masked_positions_whose_label_is_the_argmax():
     logits) never win: the plain loss sees only the real vocab, the vocab-parallel one masks them."""
     from functools import partial
 
-    from minibert.model.bert import BertOutput, lm_cross_entropy
+    from minibert.model.bert import BertOutput
+    from minibert.model.loss import lm_cross_entropy
     from minibert.parallel.layers import vocab_parallel_cross_entropy
     padded = torch.tensor([[[0.0, 3.0, 1.0, 9.0, 9.0], [2.0, 2.0, 0.0, 9.0, 9.0], [1.0, 0.0, 0.0, 9.0, 9.0]],
                            [[0.0, 1.0, 5.0, 9.0, 9.0], [4.0, 0.0, 0.0, 9.0, 9.0], [0.0, 0.0, 0.0, 9.0, 9.0]]])

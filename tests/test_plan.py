@@ -16,7 +16,8 @@ import torch
 
 from minibert.config import Config
 from minibert.errors import UsageError
-from minibert.model.bert import BertModel, TransformerLayer, pretraining_loss
+from minibert.model.bert import BertModel, TransformerLayer
+from minibert.model.loss import pretraining_loss
 from minibert.parallel import layers as tp_layers
 from minibert.parallel.schedules import simulate
 from minibert.tools import plan, plan_time

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from minibert.config import Config
-from minibert.model.bert import BertModel, pretraining_loss
+from minibert.model.bert import BertModel
+from minibert.model.loss import pretraining_loss
 from tests import launch
 from tests.conftest import layout_args
 

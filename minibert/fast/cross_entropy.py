@@ -9,7 +9,7 @@ The masked-LM head ends in logits [n, V], one row per position (n = b * s), and 
     loss_i = logsumexp_j(x_ij) - x_i,label_i            (0 where label_i == ignore_index)
     d loss_i / d x_ij = softmax(x_i)_j - [j == label_i] = exp(x_ij - lse_i) - [j == label_i]
 
-The plain twin is minibert.model.bert.lm_cross_entropy: F.cross_entropy(logits.float(), labels, ignore_index=-1,
+The plain twin is minibert.model.loss.lm_cross_entropy: F.cross_entropy(logits.float(), labels, ignore_index=-1,
 reduction="none"). The fp32 cast is there for accuracy (a bf16 log-softmax keeps ~3 digits), but it costs
 memory traffic. BERT-large, micro-batch 32 x 512: n = 16384, padded vocab V = 30592, so the bf16 logits are
 16384 * 30592 * 2 B = 1.0 GB (call it L; fp32 copies are 2 L). The plain path moves:
@@ -280,7 +280,7 @@ def fused_cross_entropy(logits, labels, ignore_index=-1, with_correct=False):
     F.cross_entropy(logits.float(), labels, ignore_index=ignore_index, reduction="none") up to summation
     order; the gradient w.r.t. logits is the fp32 gradient rounded once to logits.dtype.
     with_correct=True: -> (loss, correct), correct bool [n]: the label's logit equals the row's max (ties
-    count as right; False on ignored rows), as minibert.model.bert.label_is_max computes it.
+    count as right; False on ignored rows), as minibert.model.loss.label_is_max computes it.
     """
     _check_inputs(logits, labels, ignore_index)
     wide = _padded_base(logits)  # the padded logits the view was cut from: gradient without autograd's copy

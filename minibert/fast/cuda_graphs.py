@@ -151,7 +151,9 @@ def warm_up(run, stream):
     """run(accumulate=False) once on `stream`, leaving no trace: no gradient is kept and the CPU and CUDA
     generators are as they were. Its dropout seeds are drawn on the device, as in the capture, so the
     kernels the graph records (their SEED_IN_MEMORY variants) are compiled and loaded here."""
-    from minibert.kernels.dropout import seeds_on_device  # Triton is imported only where its kernels run
+    from minibert.kernels.dropout import (
+        seeds_on_device,  # Triton is imported only where its kernels run
+    )
     states = torch.get_rng_state(), torch.cuda.get_rng_state()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream), seeds_on_device():

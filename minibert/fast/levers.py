@@ -15,7 +15,7 @@ Parameters, their names and the optimizer's state are untouched, so checkpoints 
 levers. Chapter 8 measures each one; its tests check each against its plain twin."""
 from minibert.fast import linear, residual
 from minibert.fast.residual import fused_kernels_apply
-from minibert.model.bert import lm_cross_entropy
+from minibert.model.loss import lm_cross_entropy
 from minibert.training.build import as_chunks
 
 
@@ -23,7 +23,9 @@ def fused_lm_cross_entropy(logits, labels, with_correct=False):
     """lm_cross_entropy, as one Triton kernel on a GPU with 16-bit logits (minibert/fast/cross_entropy.py:
     it reads the logits once and never makes their fp32 copy); the same numbers up to the order of fp32 sums."""
     if fused_kernels_apply(logits):
-        from minibert.fast.cross_entropy import fused_cross_entropy  # Triton is imported only where it runs
+        from minibert.fast.cross_entropy import (
+            fused_cross_entropy,  # Triton is imported only where it runs
+        )
         return fused_cross_entropy(logits, labels, with_correct=with_correct)
     return lm_cross_entropy(logits, labels, with_correct=with_correct)
 

@@ -21,7 +21,10 @@ import torch.nn.functional as F
 
 from minibert.model.bert import TiedDecoder
 from minibert.parallel.layers import ColumnParallelLinear, VocabParallelDecoder
-from minibert.parallel.mappings import copy_to_tensor_parallel_region, gather_from_tensor_parallel_region
+from minibert.parallel.mappings import (
+    copy_to_tensor_parallel_region,
+    gather_from_tensor_parallel_region,
+)
 
 
 def bias_grad(grad_2d):

@@ -25,7 +25,7 @@ a recomputed group takes and returns the pair (x, normed).
 
 apply(chunk, cfg) turns both on as the flags say, from outside, by swapping the classes of modules that
 are already built and initialised (their parameters and names stay: checkpoints do not change). The
-plain twins are the core's TransformerLayer and BertModel; tests/test_fused_model.py checks that the
+plain twins are the core's TransformerLayer and BertModel; tests/test_levers.py checks that the
 levers give the plain model's losses and gradients."""
 import torch
 import torch.nn.functional as F

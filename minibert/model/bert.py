@@ -24,12 +24,8 @@ by swapping the Linear/Embedding modules named here, and every reshape uses this
 a layer whose QKV holds only some of the heads runs unchanged. A pipeline stage is a BertModel that owns a
 slice of the layers (`layer_numbers`), the embedding only on the first stage (`pre_process`) and the heads
 only on the last (`post_process`); forward = embed -> encode -> head, so each stage runs its part.
-Tensors are [b, s, h] (Megatron uses [s, b, h]).
-
-Init: every parameter is drawn from its own generator, seeded by (config.seed, the parameter's name), at
-its full shape (init_parameters). The weights then do not depend on which parameters a process builds
-or in which order: a stage holding layers 6..11, or a rank holding half of every matrix, draws exactly
-the numbers of the one-process model."""
+Tensors are [b, s, h] (Megatron uses [s, b, h]). The init (init_weights.py) draws each parameter from
+(config.seed, its name), so every layout builds the numbers of the one-process model."""
 import contextlib
 from collections import namedtuple
 
@@ -42,15 +38,15 @@ from minibert.data.packing import gather_rows, scatter_rows
 from minibert.model.attention import attention_qkv, reads_packed_rows, resolve_backend
 from minibert.model.config import ModelConfig
 from minibert.model.init_weights import init_parameters  # noqa: F401 (BertModel's init; re-exported)
+from minibert.model.loss import lm_cross_entropy
 
 BertOutput = namedtuple("BertOutput", ["lm_logits", "binary_logits", "hidden"])
 NUM_TOKEN_TYPES = 2  # sentence A / sentence B
 
 
 class Table(nn.Embedding):
-    """nn.Embedding without an init of its own: init_parameters draws every weight (by its name, so that every
-    layout builds the one-process model), so nn.Embedding's draw would be thrown away; and on the meta device,
-    where build.py shapes the model, that draw runs through torch's reference ops, whose first call imports
+    """nn.Embedding without an init of its own: init_parameters draws every weight, so nn.Embedding's draw
+    would be thrown away, and on the meta device (where build.py shapes the model) its first call imports
     torch's compiler: seconds of start-up for every process."""
 
     def reset_parameters(self):
@@ -198,13 +194,11 @@ class TiedDecoder(nn.Module):
     passes in: the decoder has no weight of its own (input and output share one table, "tied").
 
     The table has padded_vocab_size rows (Megatron pads the vocab to a multiple of 128 so it splits evenly
-    over tensor-parallel ranks). The matmul runs over the whole padded table, because a multiple of 128
-    columns is what the GPU's matmul kernels are fastest at (an odd width like 30524 falls back to slower
-    kernels), and the padded columns are then cut off as a view, so the softmax/CE only ever covers the real
-    vocab: the padding can never change the loss, whatever its rows hold. The matmul runs on 2-D rows, so
-    the padded logits are the matmul's own output (the fused loss of chapter 8 hands its gradient to them
-    directly: minibert.fast.cross_entropy). Tensor parallelism swaps this module for a vocab-parallel one
-    (each rank its block of rows; the cross entropy masks the padding)."""
+    over tensor-parallel ranks). The matmul runs over the whole padded table (a multiple of 128 columns is
+    what the GPU's matmul kernels are fastest at), on 2-D rows, so the padded logits are its own output
+    (the fused loss of chapter 8 hands its gradient to them directly); the padded columns are then cut off
+    as a view, so the loss only ever covers the real vocab, whatever the padded rows hold. Tensor
+    parallelism swaps this module for a vocab-parallel one (the cross entropy masks the padding)."""
 
     def __init__(self, vocab_size):
         super().__init__()
@@ -268,27 +262,6 @@ def recompute_groups(layers, config) -> list:
     if config.recompute_method == "uniform":
         return [(layers[i:i + k], True) for i in range(0, len(layers), k)]
     return [([layer], True) for layer in layers[:k]] + ([(layers[k:], False)] if layers[k:] else [])
-
-
-def label_is_max(logits, labels, ignore_index=-1):
-    """bool [n]: the label's logit equals the row's largest, i.e. the model's prediction (the argmax) is
-    the label; a tie for the maximum counts as right. False where the label is ignore_index. logits [n, C],
-    labels [n]. Every path counts the same way: the fused kernel compares the same two numbers, and the
-    vocab-parallel loss compares the label's logit with the maximum it all-reduces anyway."""
-    target = logits.gather(1, labels.clamp(min=0)[:, None]).squeeze(1)  # [n]; ignored rows read column 0
-    return (labels != ignore_index) & (target == logits.max(dim=-1).values)
-
-
-def lm_cross_entropy(logits, labels, with_correct=False):
-    """Per-position CE in fp32 (bf16/fp16 logits lose too much precision in the log-softmax): logits
-    [n, vocab], labels [n] (-1: not a masked position) -> [n]. Tensor parallelism swaps in a vocab-parallel
-    cross entropy that takes logits [n, vocab / TP].
-
-    with_correct=True: -> (loss [n], correct bool [n]), correct = label_is_max(logits, labels), what the
-    masked-LM accuracy counts."""
-    logits = logits.float()
-    loss = F.cross_entropy(logits, labels, ignore_index=-1, reduction="none")
-    return (loss, label_is_max(logits, labels)) if with_correct else loss
 
 
 class BertModel(nn.Module):
@@ -380,51 +353,3 @@ class BertModel(nn.Module):
         x = self.embed(tokens, types, packing) if self.pre_process else hidden_states
         x = self.encode(x, padding_mask, packing)
         return self.head(x, lm_mask, packing, lm_rows) if self.post_process else x
-
-
-def pretraining_loss(output, labels, loss_mask, is_random, sparse=False, cross_entropy=lm_cross_entropy,
-                     positions=None, counts=False):
-    """-> (loss, lm_loss, sop_loss or None), all fp32 scalars whatever dtype the model ran in.
-
-    lm_loss  = sum_i ce_i * loss_mask_i / max(sum_i loss_mask_i, 1)   (0, not NaN, when nothing is masked)
-    sop_loss = mean_b CE(binary_logits_b, is_random_b)
-    labels [b, s] (-1 where not selected), loss_mask [b, s], is_random [b]. With sparse=True the model was
-    called with lm_mask = (loss_mask != 0), so lm_logits holds those positions' rows in row-major order.
-    positions: int64 [rows], the flat positions (b * s + j) the rows of lm_logits belong to (packed or
-    sparse runs). cross_entropy(logits [n, vocab], labels [n]) -> [n]: the model's lm_cross_entropy.
-
-    counts=True adds a fourth item, what the accuracies are made of: int64 device scalars
-        "lm correct"  masked positions (loss_mask != 0) whose label is the argmax (label_is_max)
-        "lm masked"   masked positions
-        "sop correct", "sop samples"   the same for the SOP head (only with it)
-    cross_entropy must then take with_correct=True (every loss in minibert does)."""
-    logits = output.lm_logits
-    loss_mask = loss_mask.float()
-    if positions is not None:
-        labels, loss_mask = labels.reshape(-1)[positions], loss_mask.reshape(-1)[positions]
-    elif sparse:
-        selected = loss_mask != 0  # [b, s]
-        labels, loss_mask = labels[selected], loss_mask[selected]  # [n]
-        if logits.shape[0] != labels.shape[0]:
-            raise ValueError(f"sparse loss: {logits.shape[0]} LM rows for {labels.shape[0]} masked positions;"
-                             " call the model with lm_mask=(loss_mask != 0)")
-    logits, labels, loss_mask = logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), loss_mask.reshape(-1)
-    if counts:
-        ce, correct = cross_entropy(logits, labels, with_correct=True)  # [b*s, vocab] -> [b*s], [b*s]
-    else:
-        ce = cross_entropy(logits, labels)
-    lm_loss = (ce * loss_mask).sum() / loss_mask.sum().clamp(min=1.0)
-    sop_loss = None
-    if output.binary_logits is not None:
-        sop_logits, sop_labels = output.binary_logits.float(), is_random.reshape(-1).long()
-        sop_loss = F.cross_entropy(sop_logits, sop_labels)
-    loss = lm_loss if sop_loss is None else lm_loss + sop_loss
-    if not counts:
-        return loss, lm_loss, sop_loss
-    masked = loss_mask != 0
-    accuracy_counts = {"lm correct": (correct & masked).sum(), "lm masked": masked.sum()}
-    if sop_loss is not None:
-        accuracy_counts["sop correct"] = label_is_max(sop_logits, sop_labels).sum()
-        accuracy_counts["sop samples"] = torch.full((), sop_labels.numel(), dtype=torch.int64,
-                                                    device=sop_labels.device)  # a fill: no host-to-device copy
-    return loss, lm_loss, sop_loss, accuracy_counts

@@ -214,6 +214,6 @@ def vocab_parallel_cross_entropy(logits, labels, group, vocab_start, vocab_size,
     """logits [n, V_padded / p] (this rank's vocab block), labels [n] (-1: ignored) -> loss [n] (fp32),
     the same on every rank of the group; equal to F.cross_entropy over the real vocab. with_correct=True:
     -> (loss, correct bool [n]), correct = the label's logit is the largest of the real vocab
-    (minibert.model.bert.label_is_max on the whole logits), from the max the loss all-reduces anyway."""
+    (minibert.model.loss.label_is_max on the whole logits), from the max the loss all-reduces anyway."""
     loss, correct = _VocabParallelCrossEntropy.apply(logits, labels, group, vocab_start, vocab_size)
     return (loss, correct) if with_correct else loss

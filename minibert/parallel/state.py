@@ -30,7 +30,6 @@ initialises torch.distributed: one code path for every world size.
 
 What production does: Megatron's parallel_state.py keeps ~60 module-level groups (context and expert
 parallelism, hierarchical groups, gloo twins for CPU objects); we keep the five BERT training needs."""
-import argparse
 import datetime
 import gc
 import os

@@ -13,7 +13,8 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from minibert.config import Config  # noqa: E402
-from minibert.model.bert import BertModel, label_is_max  # noqa: E402
+from minibert.model.bert import BertModel  # noqa: E402
+from minibert.model.loss import label_is_max
 from minibert.parallel import data_parallel, mappings  # noqa: E402
 from minibert.parallel.layers import (  # noqa: E402
     ColumnParallelLinear,

@@ -205,7 +205,7 @@ def padded_batch(seed, device="cuda"):
 
 def loss_and_grads(model, batch):
     """One forward and backward of the pretraining loss -> (loss, {name: fp32 grad})."""
-    from minibert.model.bert import pretraining_loss
+    from minibert.model.loss import pretraining_loss
     tokens, padding, loss_mask, labels, is_random = batch
     out = model(tokens, padding_mask=padding)
     loss, _, _ = pretraining_loss(out, labels, loss_mask, is_random, cross_entropy=model.lm_cross_entropy)
@@ -271,7 +271,8 @@ def test_the_fused_loss_takes_the_padded_logits_without_a_slice_backward(dtype):
     fills a zeroed padded gradient and copies the real columns into it)."""
     from minibert.config import Config
     from minibert.fast.levers import apply_levers
-    from minibert.model.bert import BertModel, pretraining_loss
+    from minibert.model.bert import BertModel
+    from minibert.model.loss import pretraining_loss
     from tests.autograd_graph import backward_nodes
     cfg = Config(num_layers=1, hidden_size=256, num_attention_heads=4, seq_length=256, vocab_size=1000)
     model = BertModel(cfg).cuda().to(dtype)
@@ -293,7 +294,8 @@ def test_fused_hidden_dropout_follows_torch_seed(monkeypatch):
     from minibert.config import Config
     from minibert.fast import residual
     from minibert.fast.levers import apply_levers
-    from minibert.model.bert import BertModel, pretraining_loss
+    from minibert.model.bert import BertModel
+    from minibert.model.loss import pretraining_loss
     monkeypatch.setattr(residual, "FUSED_MIN_ELEMENTS", 0)
     g = torch.Generator().manual_seed(3)
     tokens = torch.randint(5, 1000, (8, 128), generator=g).cuda()

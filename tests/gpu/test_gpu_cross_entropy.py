@@ -1,5 +1,5 @@
 """`make test-gpu`: the fused cross entropy in bf16 and fp16 at BERT's shapes, against the model's plain twin
-minibert.model.bert.lm_cross_entropy (fp32 cast + F.cross_entropy), forward and backward. The CPU suite checks
+minibert.model.loss.lm_cross_entropy (fp32 cast + F.cross_entropy), forward and backward. The CPU suite checks
 the same kernel in the interpreter on small shapes; here the compiled kernel, its chunk loop over a 30k
 vocabulary, the padded-vocab column view and the memory it does not allocate. Skipped without a GPU.
 
@@ -32,7 +32,7 @@ def bert_logits(dtype, vocab, labelled=0.5, seed=0):
 @pytest.mark.parametrize("vocab", [30522, 30524])
 def test_matches_lm_cross_entropy_at_bert_shapes(dtype, vocab):
     from minibert.fast.cross_entropy import fused_cross_entropy
-    from minibert.model.bert import lm_cross_entropy
+    from minibert.model.loss import lm_cross_entropy
     full, view, labels = bert_logits(dtype, vocab)
     assert view.stride() == (PADDED_V, 1)
     labels[3:100] = view[3:100].float().argmax(dim=1)                # right predictions (lm acc counts them)
@@ -54,7 +54,7 @@ def test_matches_lm_cross_entropy_at_bert_shapes(dtype, vocab):
 def test_masked_mean_loss_and_sum_backward(dtype):
     """The way pretraining_loss uses it: sum(ce * mask) / count, and a stride-0 grad from .sum()."""
     from minibert.fast.cross_entropy import fused_cross_entropy
-    from minibert.model.bert import lm_cross_entropy
+    from minibert.model.loss import lm_cross_entropy
     _, view, labels = bert_logits(dtype, 30522, labelled=0.15, seed=1)
     mask = (labels != -1).float()
     grads = []
