@@ -25,7 +25,6 @@ from minibert.data.blended_dataset import parse_data_path
 from minibert.data.masked_lm import (
     build_blended_train_valid_test_datasets,
     open_data_prefix,
-    split_num_samples,
 )
 from minibert.data.packing import (
     fill_rows,
@@ -35,6 +34,7 @@ from minibert.data.packing import (
     trimmed_length,
     worth_packing,
 )
+from minibert.data.sample_index import split_num_samples
 from minibert.data.tokenizer import DEFAULT_VOCAB_FILE, build_tokenizer
 from minibert.errors import UsageError
 

@@ -34,7 +34,8 @@ from minibert.data.sample_index import (
     cached_sample_index,
     check_seed,
     split_document_ranges,  # noqa: F401 (re-export)
-    )
+    split_num_samples,  # noqa: F401 (re-export)
+)
 from minibert.errors import OneLineArgumentParser, UsageError, exit_on_usage_error
 
 MAX_NGRAM = 3  # whole-word n-grams of 1, 2 or 3 words, as Megatron's pretrain_bert.py configures
