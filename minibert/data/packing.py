@@ -33,8 +33,8 @@ import torch
 # index, cls_rows: int64 tensors; cu_seqlens: int32 [b + 1], where each sample's rows start (and the end)
 Packing = namedtuple("Packing", ["index", "cls_rows", "cu_seqlens", "batch", "seq"])
 TRIM_MULTIPLE = 64
-PACK_BELOW = 0.85  # share of real tokens under which a micro-batch is packed: where packing paid, measured on
-                   # an H200 (bench/notes-packing.md)
+PACK_BELOW = 0.85  # share of real tokens under which a micro-batch is packed: where packing paid when it
+                   # was measured (bench/notes-packing.md)
 PACK_BELOW_VARLEN = 1.0  # the same when attention reads the packed rows (varlen flash): any padding
 
 

@@ -42,18 +42,18 @@ from minibert.parallel.data_parallel import DEFAULT_BUCKET_SIZE
 from minibert.parallel.schedules import bubble_fraction
 from minibert.tools import plan_memory as pm
 
-# The hardware model: one H200 and its links; each default with where it comes from.
+# The hardware model: one GPU and its links; each default with where it comes from.
 HARDWARE = {
-    "peak_tflops": (790.0, ("dense bf16 matmul TFLOP/s of one GPU (790: a large bf16 matmul measured on an "
-                            "H200, not the datasheet's peak; docs/measuring.md, section 2)")),
-    "mfu": (0.40, ("share of the peak the forward and backward reach (0.40: an assumption, between what HF "
-                   "BERT-large reached eager and compiled on an H200 and what Megatron reports on A100s; "
-                   "chapter 7, section 6)")),
-    "hbm_tb_s": (4.1, ("HBM TB/s, for the optimizer step (4.1: a device copy measured on an H200, not the "
-                       "datasheet's; docs/measuring.md, section 4)")),
-    "nvlink_gb_s": (450.0, "NVLink bus bandwidth per GPU, GB/s (an H200: 18 links x 25 GB/s each way)"),
+    "peak_tflops": (790.0, ("dense bf16 matmul TFLOP/s of one GPU (default: a large bf16 matmul as measured in "
+                            "docs/measuring.md, section 2, not a datasheet's peak)")),
+    "mfu": (0.40, ("share of the peak the forward and backward reach (default: an assumption that chapter 7 "
+                   "explains)")),
+    "hbm_tb_s": (4.1, ("HBM TB/s, for the optimizer step (default: a device copy as measured in "
+                       "docs/measuring.md, section 4, not a datasheet's)")),
+    "nvlink_gb_s": (450.0, "NVLink bus bandwidth per GPU, GB/s (default: 18 links x 25 GB/s each way)"),
     "ib_gb_s": (50.0, "network bandwidth per GPU between nodes, GB/s (one 400 Gb/s NIC per GPU)"),
-    "gpu_memory_gib": (139.0, "GPU memory a run can use, GiB (139: what an H200 offers a run; chapter 7)"),
+    "gpu_memory_gib": (139.0, "GPU memory a run can use, GiB (default: what the course's GPU offers a run; "
+                              "chapter 7)"),
 }
 OPTIMIZER_BYTES = 40  # per parameter: AdamW reads grad, master, m, v and writes master, m, v (28), the
                       # 16-bit copy (6), the grad norm's read and zeroing the grads (8): ~40

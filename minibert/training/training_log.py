@@ -31,7 +31,7 @@ Model FLOPs per step (docs/measuring.md), forward + backward (x3) at 2 FLOPs per
 with L_i the real (non-padding) tokens of sample i, f the FFN width (4h: 72 l h^2 per token), V the
 padded vocab (the decoder matmul runs over it) and N_head the positions sent through the LM head: every
 real token, or only the masked ones with --sparse-mlm. MFU = FLOP/s per GPU / PEAK_FLOPS, the rate of a
-large bf16 matmul measured on an H200, not the datasheet's peak (docs/measuring.md, section 2).
+large bf16 matmul as measured in docs/measuring.md, section 2 (not a datasheet's peak).
 
 With several GPUs every figure is per GPU: the model FLOPs of the whole global batch (summed over the
 data-parallel replicas) divided by the world size; recomputed activations are not model FLOPs. The losses
@@ -43,7 +43,7 @@ import time
 import torch
 import torch.distributed as dist
 
-PEAK_FLOPS = 790e12  # a large bf16 matmul's FLOP/s, measured on one H200 (docs/measuring.md, section 2)
+PEAK_FLOPS = 790e12  # a large bf16 matmul's FLOP/s on one GPU, as measured in docs/measuring.md, section 2
 
 
 def model_flops(cfg, lengths, head_positions) -> float:
