@@ -1,5 +1,5 @@
-# minibert: four targets. Each uses the current python3 when it already has what the target needs
-# (the GPU image has no package registry), else a local .venv that it creates and fills once.
+# minibert: a few targets. Each uses the current python3 when it already has what the target needs
+# (an offline GPU image, which has no package registry, needs nothing installed), else a local .venv that it creates and fills once.
 SHELL := /bin/bash
 VENV := .venv
 # Triton only on Linux, where it has wheels (the CPU path runs without it; requirements.txt says the same)
@@ -66,4 +66,9 @@ bench:
 	@set -e; PY=$$($(call python_for,$(RUN_IMPORTS),requirements.txt)); \
 	$$PY bench/run.py --output $(BENCH_OUT)
 
-.PHONY: setup train-small test bench
+# figures: the chapters' pictures, drawn again from minibert's code and the committed results (CPU, seconds).
+figures:
+	@set -e; PY=$$($(call python_for,$(TEST_IMPORTS),tests/requirements.txt)); \
+	$$PY chapters/figures/draw.py
+
+.PHONY: setup train-small test test-gpu bench figures

@@ -16,7 +16,7 @@ LayerNorm off, with Python's automatic garbage collector off, padded (--no-pack-
 --cuda-graph-impl local (one graph replay per micro-batch; its profiled steps may meet a new row count,
 whose capture then shows in their kernel time). Full-length
 batches have nothing to pack: there "packed" is the trainer's default path on them.
-bench/notes-packing.md reads the results."""
+bench/notes/packing.md reads the results."""
 import argparse
 import gc
 import os

@@ -14,11 +14,11 @@ compiled; and "default" (BERT-large s512 b32 on Megatron's samples of the defaul
 packed, and with CUDA graphs); and, only when named
 (--only accumulation), minibert packed on the default corpus and on full-length batches with 1 and with 8
 micro-batches per optimizer step, every kernel's time divided by the micro-batches per step
-(bench/notes-accumulation.md). A graphed contender
+(bench/notes/accumulation.md). A graphed contender
 gives its wall clock only, which shows the host's share next to the eager one's; the profiler's view of
 a graph replay is left out. The
 categories come from kernel names (a heuristic that a new library version may need extending: the
-"other" row shows what it missed). bench/notes-training.md reads the results."""
+"other" row shows what it missed). bench/notes/training.md reads the results."""
 import argparse
 import os
 import sys

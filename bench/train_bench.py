@@ -51,7 +51,7 @@ same count for every contender, since they compute the same model). MFU = model 
     python bench/train_bench.py --quick --sections 1 --contenders "minibert, CUDA graphs;HF compiled"
 
 The batches are built before any timing (bench/train_bench_data.py). run() returns rows {name, value,
-unit, notes} for bench/run.py (BENCHMARKS.md); bench/notes-training.md says how to read them."""
+unit, notes} for bench/run.py (BENCHMARKS.md); bench/notes/training.md says how to read them."""
 import gc
 import os
 import platform
@@ -232,7 +232,7 @@ CONTENDERS = {  # name -> (build(cfg, batches, device) -> step, config overrides
 
 def attempt(graphed, label, measurement):
     """-> (measurement(), no rows). A --cuda-graph-impl local contender (graphed) that raises gives (None, a
-    row saying how it failed) instead: the graphs were written in a session without a GPU, so their first
+    row saying how it failed) instead: the graphs were first written without a GPU at hand, so their first
     runs may fail, and the bench then goes on with the other contenders. Any other failure raises."""
     try:
         return measurement(), []

@@ -71,7 +71,7 @@ if __package__ in (None, ""):  # `python minibert/preprocess.py` from a checkout
 
 # Each worker would import numpy, whose OpenBLAS starts one busy-waiting thread per core at import: on a
 # many-core host one import burnt several times its wall clock in CPU, and 8 workers starting at once took
-# those cores from the work (bench/notes-preprocess.md). Neither the tool nor its workers multiply
+# those cores from the work (bench/notes/preprocess.md). Neither the tool nor its workers multiply
 # matrices, so they run with one thread each.
 WORKER_THREADS = {"OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 if __name__ == "__main__":  # run as the tool: one BLAS thread here too, so its workers can be forked
@@ -86,7 +86,7 @@ from minibert.data.sentence_split import split_sentences as split_into_sentences
 from minibert.data.tokenizer import build_tokenizer  # noqa: E402
 from minibert.errors import OneLineArgumentParser, UsageError, exit_on_usage_error  # noqa: E402
 
-CHUNK_BYTES = 1 << 18  # input per task: a fraction of a second of work (bench/notes-preprocess.md), so 8
+CHUNK_BYTES = 1 << 18  # input per task: a fraction of a second of work (bench/notes/preprocess.md), so 8
                        # workers share even a few MB evenly
 IN_FLIGHT_PER_WORKER = 4  # chunks queued per worker: keeps workers busy, bounds memory
 JSON_EXTENSIONS = (".json", ".jsonl")
@@ -232,7 +232,7 @@ def _start_method():
     """How the pool starts its workers: "fork" where the OS has it and this process runs one thread,
     else "spawn". A forked worker is a copy of this process, modules and encoder included, so it is
     ready in milliseconds; a spawned one starts a fresh Python that imports numpy and minibert again, a
-    large share of a run's time at 8 workers (bench/notes-preprocess.md). fork copies only the thread
+    large share of a run's time at 8 workers (bench/notes/preprocess.md). fork copies only the thread
     that calls it: a lock that another thread held at that moment (BLAS, torch, tqdm's monitor) would
     stay locked in the child for good, so any second thread means spawn. The pool starts its workers on
     the first submit, after this is asked: nothing here starts a thread in between."""

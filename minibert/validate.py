@@ -192,7 +192,7 @@ def _validate_for_device(cfg: Config, device_type: str, warn):
     cfg.distributed_backend = "gloo"
     if cfg.num_workers:
         # on a 2-core machine worker processes made a train-small iteration several times slower
-        # (bench/notes-cpu-train-small.md)
+        # (bench/notes/cpu-train-small.md)
         warn(f"--num-workers {cfg.num_workers} -> 0 on the CPU: worker processes would compete with "
              "training for the cores")
     cfg.num_workers = 0

@@ -184,7 +184,7 @@ def test_the_20b_stages_are_the_planners(printed, recipes):
 
 
 def test_the_h200_table_is_the_files_and_its_planner_columns_the_planners(printed):
-    """Section 7 prints bench/plan_check_h200.md's rows; their planner columns are what the planner says
+    """Section 7 prints bench/results/plan_check_h200_2026-12-01.md's rows; their planner columns are what the planner says
     today for bench/plan_check.py's flags (so the measured ratios still compare with this planner)."""
     from bench.plan_check import COMMON, CONFIGS
     with open(os.path.join(ROOT, "bench", "plan_check_h200.md"), encoding="utf-8") as f:

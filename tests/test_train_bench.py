@@ -84,7 +84,7 @@ def test_contenders_runs_only_the_named_ones_and_refuses_an_unknown_name():
 
 def test_profile_steps_puts_kernels_in_their_categories():
     """bench/profile_steps.py (a GPU script) sorts kernels by name: the names below are from its H200 run
-    (bench/profile_steps_h200.md), and the table sums each category per contender."""
+    (bench/results/profile_steps_h200_2026-12-01.md), and the table sums each category per contender."""
     sys.path.insert(0, ROOT)
     from bench.profile_steps import category, tables
     names = {"void cutlass::Kernel2<cutlass_80_tensorop_bf16_s16816gemm_bf16_256x128_64x3_tn_align2>": "matrix multiplies",

@@ -136,7 +136,7 @@ class PrefetchingBatches:
     that step's forward and backward, then calls prefetch, which builds the next step's (get_batch's CPU
     work and the copies to the GPU) while the GPU still runs this one. Without it that host work would
     sit between the optimizer's host sync and the next step's first kernel, the GPU idle all along
-    (bench/step_timeline.py times it: bench/step_timeline_h200.md, chapter 8, section 4.19). The batches
+    (bench/step_timeline.py times it: bench/results/step_timeline_h200_2026-12-03.md, chapter 8, section 4.19). The batches
     and their order are the same; running out of samples is reported by the step that needed them, not by
     the prefetch."""
 

@@ -27,7 +27,7 @@ surplus, so its rows differ from `--data-path P`'s.
 
 What production does that we leave out: Megatron also blends by dataset sizes when no weights are
 given, and takes a separate blend per split (--train-data-path ...); we refuse an unweighted list.
-The greedy is a Python loop here, once per run, slower than Megatron's C++ (bench/notes-sample-index.md).
+The greedy is a Python loop here, once per run, slower than Megatron's C++ (bench/notes/sample-index.md).
 """
 import hashlib
 import math

@@ -73,7 +73,7 @@ SYNTHETIC_SEED, SYNTHETIC_LINES = 42, 2000  # chapter 2's random.seed(42) and ra
 
 # A docstring, the cheap way: a triple-quoted string at the start of the file or right after a line
 # ending in ':' (a def/class header). ast.parse would find them exactly, but parsing these modules
-# took many times longer than this regex (bench/notes-preprocess.md).
+# took many times longer than this regex (bench/notes/preprocess.md).
 _DOCSTRING = re.compile(r"""(?:\A(?:[ \t]*(?:\#[^\n]*)?\n)*|:[ \t]*(?:\#[^\n]*)?\n)\s*"""
                         r"""([rRuU]?)(\"\"\"|''')(.*?)\2""", re.S)
 _SENTENCE_END = re.compile(r"""[a-z0-9)\]"'*][.!?]["')\]]*(?=\s+["'(*]?[A-Z]|$)""")

@@ -5,7 +5,7 @@ helpers.cpp shuffles the sample index in place:
     for i = n-1 down to 1:   j = rand64() % (i + 1);   swap(row[i], row[j])
 
 `shuffled_order_plain` is that loop, one Python step per row (seconds at corpus scale:
-bench/notes-sample-index.md). `shuffled_order` gets the same permutation from whole-array numpy
+bench/notes/sample-index.md). `shuffled_order` gets the same permutation from whole-array numpy
 operations. Two facts make that possible:
 
 1. After step i, position i is final: later steps only touch positions below i. So the row that ends

@@ -42,7 +42,7 @@ MAX_NGRAM = 3  # whole-word n-grams of 1, 2 or 3 words, as Megatron's pretrain_b
 # P(n) proportional to 1/n: [6/11, 3/11, 2/11]. Megatron normalises twice (once when building the table,
 # once per draw), which can move the last bit, so we do it too. rng.choice([1, 2, 3], p=NGRAM_P) draws one
 # rng.random() and looks it up in the cumulative table below; we do the same lookup ourselves, which costs
-# far less than a choice() call per draw (bench/notes-sample-index.md).
+# far less than a choice() call per draw (bench/notes/sample-index.md).
 _P = 1.0 / np.arange(1, MAX_NGRAM + 1)
 _P = _P / _P.sum()
 NGRAM_P = _P / _P.sum()

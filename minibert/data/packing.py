@@ -34,7 +34,7 @@ import torch
 Packing = namedtuple("Packing", ["index", "cls_rows", "cu_seqlens", "batch", "seq"])
 TRIM_MULTIPLE = 64
 PACK_BELOW = 0.85  # share of real tokens under which a micro-batch is packed: where packing paid when it
-                   # was measured (bench/notes-packing.md)
+                   # was measured (bench/notes/packing.md)
 PACK_BELOW_VARLEN = 1.0  # the same when attention reads the packed rows (varlen flash): any padding
 
 
@@ -42,7 +42,7 @@ def packing_threshold(varlen: bool) -> float:
     """The share of real tokens under which get_batch packs a micro-batch. With the varlen flash kernel
     (attention on the packed rows, minibert/kernels/flash_attention_varlen.py) packing costs one gather
     of the embeddings, so any padding is worth skipping; the other backends pay a scatter and a gather
-    around every attention, which the padding must outweigh (bench/notes-packing.md)."""
+    around every attention, which the padding must outweigh (bench/notes/packing.md)."""
     return PACK_BELOW_VARLEN if varlen else PACK_BELOW
 
 

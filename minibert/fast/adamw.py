@@ -22,7 +22,7 @@ PyTorch's fused AdamW, one multi-tensor kernel, then one copy per bucket. Bytes 
 
 BERT-large has 336M parameters: 12.8 GB a step against 10.1 GB. The update alone (bench/adamw_bench.py)
 and whole graphed training steps with and without the kernel (`make bench`) are timed in
-bench/adamw_h100.txt, bench/benchmarks_h100.md and BENCHMARKS.md; chapter 8, section 4.25 reads them.
+bench/results/adamw_h100_2026-12-05.txt, bench/results/benchmarks_h100_2026-12-05.md and BENCHMARKS.md; chapter 8, section 4.25 reads them.
 
 How the work is cut. The optimizer's state lies in flat buffers, one per bucket shard (the part of a
 gradient bucket this rank updates; minibert/parallel/data_parallel.py), each holding many parameters
@@ -48,7 +48,7 @@ from minibert.kernels import interpreting
 from minibert.training.optim import MixedPrecisionOptimizer, no_weight_decay
 
 # Elements per program, and warps: 512 and 4 (4 elements a thread, one 16-byte load of each fp32 buffer),
-# picked by `python bench/adamw_bench.py --sweep`, results in bench/adamw_h100.txt. The smaller the
+# picked by `python bench/adamw_bench.py --sweep`, results in bench/results/adamw_h100_2026-12-05.txt. The smaller the
 # program, the faster, down to this size (the reading: more, smaller programs keep more loads in flight);
 # 256 x 4 was barely faster, with twice the programs and tables.
 BLOCK, WARPS = 512, 4

@@ -25,7 +25,7 @@ and the fused kernels here move: forward read L (writes n fp32 losses, maxima an
 write L. Total 3 L = 3 GB, 6x fewer bytes, and between forward and backward it holds 128 KB (two fp32 per row)
 instead of 2 GB of log-probabilities; its extra peak memory is the gradient itself.
 bench/cross_entropy_bench.py times both paths and their peak memory, every row labelled and 15% labelled:
-results in bench/fusions_h200.md, read in bench/notes-fusions.md and chapter 8, section 4.8.
+results in bench/results/fusions_h200_2026-12-01.md, read in bench/notes/fusions.md and chapter 8, section 4.8.
 Rows whose label is ignore_index (85% of positions in dense MLM) are not even read: their loss and gradient
 are 0 whatever the logits are (eager still reads every row).
 
@@ -81,7 +81,7 @@ class CrossEntropyConfig:
 # A BERT row is 30k columns (60 KB in bf16): one row per program is already a long stream, and n >= 4096
 # rows keep every SM busy, so only the chunk shape matters. Picked by `python bench/cross_entropy_bench.py
 # --sweep` (bf16 [16384, 30592] viewed to 30524 columns, every row labelled), results in
-# bench/notes-fusions.md: the forward is best with ONE warp and 2048 columns (64 per thread), because each
+# bench/notes/fusions.md: the forward is best with ONE warp and 2048 columns (64 per thread), because each
 # chunk ends in two row reductions (max, sum) and within one warp those are register shuffles, with no
 # shared memory and no barrier; 64 one-warp programs per SM keep enough loads in flight. The backward has
 # no reduction: 2048 columns over 8 warps (8 per thread); the chunk widths and warp counts near it time
@@ -236,7 +236,7 @@ def _padded_base(logits):
     a view (minibert.model.bert.TiedDecoder). Autograd's backward of that view makes a zeroed [n, padded vocab]
     tensor and copies the gradient into its first V columns: a fill and a strided copy of the whole
     gradient, the copy alone one of a BERT-base step's larger kernels after the matmuls and attention
-    (bench/kernel_table_h200.md; chapter 8, section 4.21).
+    (bench/results/kernel_table_h200_2026-12-03.md; chapter 8, section 4.21).
     Taking the wider tensor as the Function's input instead, the backward writes that padded gradient
     itself (zeros past V) and autograd has nothing to copy; the forward reads the same V columns."""
     base = logits._base

@@ -34,8 +34,8 @@ eager dropout keeps a 16 MB mask alive from forward to backward, 48 per step in 
 On the GPU's clock (bench/layer_norm_bench.py, CUDA-graph timing) the fused pair is faster than eager and
 moves its 9 T at about a plain copy's rate. Launched from Python one call at a time it is slower than
 eager: the autograd Function and the Triton launches cost the host more than the GPU work, which hides
-only when the GPU is busy with bigger kernels. The times: bench/fusions_h200.md, read in
-bench/notes-fusions.md and chapter 8, section 4.9.
+only when the GPU is busy with bigger kernels. The times: bench/results/fusions_h200_2026-12-01.md, read in
+bench/notes/fusions.md and chapter 8, section 4.9.
 
 3. The LayerNorm backward
 -------------------------
@@ -51,7 +51,7 @@ The backward reloads the stored x (rounded to its dtype: the LayerNorm normalise
 saved fp32 mean and rstd, so xhat is recomputed, not stored. dweight, dbias: a fixed grid of P programs
 (a few per SM), each summing a strided set of row blocks into fp32 registers and writing one [h] row of
 a [2, P, h] buffer; torch then sums the P rows (one ATen launch: cheaper on the host than a second
-Triton kernel, which was measured to matter: bench/notes-fusions.md). No atomics, so the same bits every
+Triton kernel, which was measured to matter: bench/notes/fusions.md). No atomics, so the same bits every
 run.
 
 4. Dropout without a mask
@@ -114,7 +114,7 @@ class Tile(NamedTuple):
 
 
 # Picked by `python bench/layer_norm_bench.py --sweep` (bf16, dropout 0.1, CUDA-graph timing), results in
-# bench/notes-fusions.md: 2048 values per block and 16 per thread (2 rows x 4 warps at h 1024; the backward
+# bench/notes/fusions.md: 2048 values per block and 16 per thread (2 rows x 4 warps at h 1024; the backward
 # on 4 programs per SM) won both directions at [16384, 1024] and came close to the best at [32768, 768].
 # Short programs with few warps keep many blocks in flight, which is what a streaming kernel needs; more
 # programs per SM (8) or fewer (1) lost.

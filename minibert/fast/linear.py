@@ -7,7 +7,7 @@ Autograd's own backward of F.linear computes the same three, the bias gradient w
 (`dy.sum(0)`). That sum is the one part of the three that is not a matmul, and it is slow for BERT's
 shapes: the same sum written as a matrix-vector product with a vector of ones, db = dy^T 1, runs as a
 cuBLAS GEMV, which was faster at every width of BERT-large's and BERT-base's gradients (chapter 8 and
-bench/notes-training.md, "After alignment"). Both accumulate in fp32 and round once to bf16.
+bench/notes/training.md, "After alignment"). Both accumulate in fp32 and round once to bf16.
 
 apply(chunk) swaps, from outside, every module of a built model whose forward is a plain linear (the
 model's nn.Linear layers, the tied LM decoder, and their tensor-parallel twins) for a subclass whose

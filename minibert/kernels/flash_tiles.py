@@ -37,7 +37,7 @@ class Tile(NamedTuple):
 # (bench/attention_bench.py --sweep); the FIRST of each list is the default. All compile for sm_90 with
 # triton 3.6 without register spills (ptxas -v); 128-wide heads need fewer rows per warp. The d64 defaults
 # do not spill with dropout either (`python bench/sass_count.py` compiles them on a CPU and counts registers
-# and spills; its counts: bench/notes-attention-one-kernel.md).
+# and spills; its counts: bench/notes/attention-one-kernel.md).
 TILE_CANDIDATES = {
     # d <= 64: the first of each list won `bench/attention_bench.py --sweep` at b32 h16 s512 d64 bf16, key
     # lengths U[256, 512] (the times: chapter 3, section 4.8).
@@ -50,7 +50,7 @@ TILE_CANDIDATES = {
                   Tile(32, 64, 4, 3), Tile(16, 128, 4, 5), Tile(64, 128, 8, 3), Tile(32, 128, 8, 4)],
          # the short backward (s <= 128): picked by `bench/attention_bench.py --sweep-short` at b256 h12
          # s128, faster than the dq + dkdv pair with and without dropout, results in
-         # bench/attention_short_h200.md; (64, 128, 8, 1) was a little faster still there and is the next
+         # bench/results/attention_short_h200_2026-12-03.md; (64, 128, 8, 1) was a little faster still there and is the next
          # one to try in whole steps
          "short": [Tile(64, 128, 8, 2), Tile(64, 128, 8, 1), Tile(64, 128, 4, 2), Tile(32, 128, 4, 2),
                    Tile(32, 128, 8, 2), Tile(16, 128, 4, 2)]},
@@ -66,13 +66,13 @@ TILE_CANDIDATES = {
 # 128 query rows per program beat the list's first (64, 128), which wins on shorter and mixed lengths, where
 # a 128-row block wastes more rows past a sample's end. Picked by a sweep of the forward tiles at b32 h16
 # s512 d64 bf16, every key real, the varlen layout of training, with and without dropout; results in
-# bench/attention_one_kernel_h100.txt, read in bench/notes-attention-one-kernel.md.
+# bench/results/attention_one_kernel_h100_2026-12-05.txt, read in bench/notes/attention-one-kernel.md.
 # Its register cap: two programs of 256 threads fit a multiprocessor's 65,536 registers at 128 per thread.
 # Every variant of this kernel compiles to at most 128 a thread without a cap but one, the padded layout
 # with dropout and no mask, which took more and so ran one program per multiprocessor, slower. With the
 # cap it runs as fast as the packed layout, the other variants' times stay within the run's noise and
-# every output is the same bit for bit: register counts and times in bench/fwd_pad_check_h200.txt and
-# bench/fwd_cap_h100.txt.
+# every output is the same bit for bit: register counts and times in bench/results/fwd_pad_check_h200_2026-12-05.txt and
+# bench/results/fwd_cap_h100_2026-12-05.txt.
 LONG_FORWARD = {64: Tile(128, 64, 8, 3, maxnreg=128)}
 LONG_SEQUENCE = 512
 # fp32 tiles are twice the bytes; no short backward (its dK, dV and K, V blocks would not fit)
@@ -95,7 +95,7 @@ def head_dim_block(d):
 
 # With dropout the defaults stay: `bench/attention_bench.py --sweep --dropout 0.1` (b32 h16 s512 d64,
 # lengths U[256,512]) found the same three tiles fastest, since the dropout hash adds no registers to move
-# bits between threads; results in bench/notes-training.md. (With the earlier Philox draw, shared by 8
+# bits between threads; results in bench/notes/training.md. (With the earlier Philox draw, shared by 8
 # keys, the forward spilled and dq wanted 128x32.)
 @functools.lru_cache(maxsize=None)
 def pick_tiles(head_dim, dtype, seq_len=0):

@@ -74,7 +74,7 @@ class SoftmaxConfig:
 MAX_ONE_PASS_BLOCK = 16384  # longest row kept in registers (32 fp32 per thread at 16 warps); longer rows loop
 LONG_ROW_BLOCK = 4096       # chunk width when looping over a long row
 # Tile shape per direction, picked by `python bench/softmax_bench.py` (its sweep, at bf16 [32,16,512,512]),
-# results in bench/softmax_h200.txt: forward at 2048 elements per program and 32 per thread (4 rows x 512,
+# results in bench/results/softmax_h200_2026-12-06.txt: forward at 2048 elements per program and 32 per thread (4 rows x 512,
 # 2 warps), backward at 1024 and 8 per thread (2 rows, 4 warps). Short programs with few warps keep many
 # tiles in flight per SM, which is what a streaming kernel needs.
 TILE_ELEMENTS = {"forward": 2048, "backward": 1024}        # elements per tile
