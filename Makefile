@@ -23,7 +23,7 @@ setup:
 
 # train-small: chapter 2's 4-layer BERT on the default real-English corpus (GPU if present, else CPU).
 # On a GPU it trains in bf16 (what every GPU time in the chapters uses), each micro-batch replayed as a
-# CUDA graph (--cuda-graph-impl local, chapter 8 section 4.13; TRAIN_SMALL_ARGS="--cuda-graph-impl none"
+# CUDA graph (--cuda-graph-impl local, chapter 8, section 6; TRAIN_SMALL_ARGS="--cuda-graph-impl none"
 # runs it eagerly); on a CPU in fp32. Each run starts over: it removes the last run's checkpoints and
 # TensorBoard files (the trainer itself never writes over checkpoints it did not make).
 OUT := runs/train-small

@@ -454,7 +454,7 @@ def section_2(settings):
     packed = {contender: full for contender, full in reference.items() if contender.startswith("minibert packed")}
     rows += equal_tokens_rows(settings, mean_real_tokens(datasets[1][1]), packed) if packed else []
     # with accumulation: the graphed contender where it runs (the eager step is host-paced at the default
-    # corpus's size, chapter 8 section 4.12); else the eager one (the CPU)
+    # corpus's size, chapter 8, section 6); else the eager one (the CPU)
     accumulating = {c: full for c, full in packed.items() if "CUDA graphs" in c} or packed
     return rows + (accumulated_rows(settings, accumulating) if accumulating else [])
 

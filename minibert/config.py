@@ -56,7 +56,7 @@ class Config:
                                                   "next layer's LN1 (the last layer's: the final LayerNorm), in "
                                                   "the kernel of --bias-dropout-fusion on a GPU; the same math, "
                                                   "one launch and one pass fewer per layer (timed in whole "
-                                                  "steps: bench/notes/training.md, chapter 8, section 4.16); no "
+                                                  "steps: bench/notes/training.md, chapter 8, section 9); no "
                                                   "effect with --post-ln, whose LayerNorms already follow the "
                                                   "add; off: each layer runs its own LN1",
                                             action=argparse.BooleanOptionalAction)

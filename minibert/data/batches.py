@@ -136,7 +136,7 @@ class PrefetchingBatches:
     that step's forward and backward, then calls prefetch, which builds the next step's (get_batch's CPU
     work and the copies to the GPU) while the GPU still runs this one. Without it that host work would
     sit between the optimizer's host sync and the next step's first kernel, the GPU idle all along
-    (bench/step_timeline.py times it: bench/results/step_timeline_h200_2026-12-03.md, chapter 8, section 4.19). The batches
+    (bench/step_timeline.py times it: bench/results/step_timeline_h200_2026-12-03.md, bench/notes/training.md). The batches
     and their order are the same; running out of samples is reported by the step that needed them, not by
     the prefetch."""
 
@@ -165,7 +165,7 @@ def stack_samples(samples):
     """A micro-batch as numpy arrays, {key: [b, ...]}, made in a DataLoader worker. Numpy arrays travel to
     the main process pickled through the worker's pipe; torch tensors (the DataLoader's default) would each
     travel through a shared-memory file, and at train-small's size that costs more than making the samples
-    (chapter 8, section 4.13)."""
+    (chapter 8, section 6)."""
     return {key: np.stack([sample[key] for sample in samples]) for key in samples[0]}
 
 

@@ -22,7 +22,7 @@ PyTorch's fused AdamW, one multi-tensor kernel, then one copy per bucket. Bytes 
 
 BERT-large has 336M parameters: 12.8 GB a step against 10.1 GB. The update alone (bench/adamw_bench.py)
 and whole graphed training steps with and without the kernel (`make bench`) are timed in
-bench/results/adamw_h100_2026-12-05.txt, bench/results/benchmarks_h100_2026-12-05.md and BENCHMARKS.md; chapter 8, section 4.25 reads them.
+bench/results/adamw_h100_2026-12-05.txt, bench/results/benchmarks_h100_2026-12-05.md and BENCHMARKS.md; chapter 8, section 8 reads them.
 
 How the work is cut. The optimizer's state lies in flat buffers, one per bucket shard (the part of a
 gradient bucket this rank updates; minibert/parallel/data_parallel.py), each holding many parameters

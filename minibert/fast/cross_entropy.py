@@ -25,7 +25,7 @@ and the fused kernels here move: forward read L (writes n fp32 losses, maxima an
 write L. Total 3 L = 3 GB, 6x fewer bytes, and between forward and backward it holds 128 KB (two fp32 per row)
 instead of 2 GB of log-probabilities; its extra peak memory is the gradient itself.
 bench/cross_entropy_bench.py times both paths and their peak memory, every row labelled and 15% labelled:
-results in bench/results/fusions_h200_2026-12-01.md, read in bench/notes/fusions.md and chapter 8, section 4.8.
+results in bench/results/fusions_h200_2026-12-01.md, read in bench/notes/fusions.md and chapter 8, section 7.
 Rows whose label is ignore_index (85% of positions in dense MLM) are not even read: their loss and gradient
 are 0 whatever the logits are (eager still reads every row).
 
@@ -236,7 +236,7 @@ def _padded_base(logits):
     a view (minibert.model.bert.TiedDecoder). Autograd's backward of that view makes a zeroed [n, padded vocab]
     tensor and copies the gradient into its first V columns: a fill and a strided copy of the whole
     gradient, the copy alone one of a BERT-base step's larger kernels after the matmuls and attention
-    (bench/results/kernel_table_h200_2026-12-03.md; chapter 8, section 4.21).
+    (bench/results/kernel_table_h200_2026-12-03.md; bench/notes/training.md).
     Taking the wider tensor as the Function's input instead, the backward writes that padded gradient
     itself (zeros past V) and autograd has nothing to copy; the forward reads the same V columns."""
     base = logits._base

@@ -168,7 +168,7 @@ class ModelGraphs:
     captured on. One stream, because the caching allocator hands a freed block only to a request on the
     stream it was first allocated on: graphs captured on a stream each would each keep their own blocks
     in the shared pool, and b graphs would cost b graphs' memory (BERT-large at micro-batch 205 ran out of
-    memory so: chapter 8, section 4.13; bench/notes/training.md)."""
+    memory so: chapter 8, section 6; bench/notes/training.md)."""
 
     def __init__(self):
         self.pool = torch.cuda.graph_pool_handle()

@@ -35,7 +35,7 @@ On the GPU's clock (bench/layer_norm_bench.py, CUDA-graph timing) the fused pair
 moves its 9 T at about a plain copy's rate. Launched from Python one call at a time it is slower than
 eager: the autograd Function and the Triton launches cost the host more than the GPU work, which hides
 only when the GPU is busy with bigger kernels. The times: bench/results/fusions_h200_2026-12-01.md, read in
-bench/notes/fusions.md and chapter 8, section 4.9.
+bench/notes/fusions.md and chapter 8, section 9.
 
 3. The LayerNorm backward
 -------------------------

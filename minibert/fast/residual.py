@@ -10,7 +10,7 @@ The plain layer (minibert/model/bert.py) runs, per sublayer, three separate pass
 for FusedTransformerLayer, whose residual add calls the kernel of minibert/fast/layer_norm.py on a GPU in
 fp16/bf16, for tensors of at least FUSED_MIN_ELEMENTS elements (launched from Python, the kernel's
 backward costs the host more than eager's ops on small tensors, where the GPU waits for the host anyway:
-chapter 8, section 4.9). Everywhere else it runs the plain ops: the CPU gives the plain model's numbers.
+chapter 8, section 9). Everywhere else it runs the plain ops: the CPU gives the plain model's numbers.
 
 --residual-layernorm-fusion (pre-LN only). A pre-LN layer ends with an add and no LayerNorm, and the next
 layer starts with its LN1 of that sum. The lever moves that LayerNorm into the add, so the fused kernel

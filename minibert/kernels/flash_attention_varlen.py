@@ -44,7 +44,7 @@ from minibert.kernels.flash_tiles import pick_tiles
 
 class FlashAttentionVarlen(torch.autograd.Function):
     """Every view here is one op on the packed buffers: on small batches the host's time per call, not
-    the GPU's, is what a layer waits for (chapter 8, section 4.12)."""
+    the GPU's, is what a layer waits for (chapter 8, section 6)."""
 
     @staticmethod
     def forward(ctx, qkv, cu_seqlens, max_len, scale, dropout_p, seed):

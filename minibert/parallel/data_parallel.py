@@ -13,7 +13,7 @@ parameters, ~--ddp-bucket-size elements) as a view `param.main_grad`; after each
 accumulate() folds every (16-bit or fp32) `param.grad` into it with one multi-tensor call and frees them.
 The step's first fold copies (main_grad = grad), the later ones add (main_grad += grad), so zero() has
 nothing to write: a memset and an add read and write 4 + 10 bytes an element, a converting copy 6
-(timed in whole steps: bench/results/main_grad_fold_h200_2026-12-02.md, chapter 8, section 4.18). Parameters are laid out in
+(timed in whole steps: bench/results/main_grad_fold_h200_2026-12-02.md, bench/notes/training.md). Parameters are laid out in
 reverse order of registration, which is roughly the order the backward produces their gradients:
 
     backward ->   | bucket 0: layers 23..20 | bucket 1: layers 19..16 | ... | bucket k: embedding |
@@ -64,7 +64,7 @@ all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tens
 # Each parameter starts at a multiple of 64 elements of its bucket (128 bytes in bf16), as in Megatron's
 # buffers. Packed back to back, a 2-element bias would leave every later weight 4 bytes off a 16-byte
 # boundary, and cuBLAS then takes slow matmul kernels for it: before this alignment most of BERT-base's
-# matmul time went to them (the profile: bench/results/profile_steps_h200_2026-12-01.md, chapter 8, section 4.14).
+# matmul time went to them (the profile: bench/results/profile_steps_h200_2026-12-01.md, bench/notes/training.md).
 ALIGN = 64
 
 
@@ -159,7 +159,7 @@ class DataParallelGrads:
     def accumulate(self):
         """After a micro-batch's backward: main_grad += grad for every parameter (main_grad = grad at the
         step's first), one multi-tensor call, not one Python hook per parameter (each a host call and a
-        launch, which small models feel: chapter 8, section 4.5)."""
+        launch, which small models feel: bench/notes/training.md)."""
         pending = [p for p in self.params if p.grad is not None]
         if not pending:
             return  # e.g. scale_loss() before the step's first backward: nothing to fold yet

@@ -161,15 +161,15 @@ class VocabParallelDecoder(nn.Module):
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """CE from logits split by vocab blocks, with three small all-reduces of [n] numbers:
+    """CE from logits split by vocab blocks, with two small all-reduces of [n] numbers (MAX, then SUM):
 
         m = max_v z_v                 all-reduce MAX   (for stability: exp(z - m) <= 1)
-        S = sum_v exp(z_v - m)        all-reduce SUM
-        t = z_label - m               all-reduce SUM   (only the rank holding the label's column adds it)
+        S = sum_v exp(z_v - m)        one all-reduce SUM of S and t, stacked [2, n]
+        t = z_label - m                 (only the rank holding the label's column adds its t; the others 0)
         loss = log S - t
         correct = (t == 0)            the label's logit is the global max: no collective of its own
 
-    (S and t travel in one all-reduce.) t is exactly 0 when z_label == m and nonzero otherwise (fp32
+    Three numbers per token, in two calls. t is exactly 0 when z_label == m and nonzero otherwise (fp32
     subtraction of two different numbers is never 0), and the sum over ranks adds only zeros to it, so
     every rank gets the one-process answer of label_is_max. Returns (loss, correct); correct has no gradient.
     backward: dL/dz_v = softmax_v - [v == label], each rank for its own block, no communication."""

@@ -13,7 +13,7 @@
 Every rank of a tensor-parallel group runs the model on the same micro-batch. Attention needs no
 communication (each rank has whole heads); per layer the forward makes two all-reduces (after attention's
 output projection, after the MLP) and the backward two (at the layers' inputs); the embedding and the LM
-head one each; the cross entropy three small ones over [tokens] numbers.
+head one each; the cross entropy two small ones over [tokens] numbers (a MAX, then one SUM of two stacked).
 
 The model is built on the meta device (shapes, no memory), this function swaps the modules, and only then
 are this rank's shards allocated and initialised (init_parameters draws each full tensor from its name's
