@@ -2,9 +2,11 @@
 the parameters of each pipeline stage of the chapter's small model (and the word-embedding copy that
 makes their sum larger than the model), the two copies' equal initial values, the share of the model
 FLOPs each stage computes, the bubble and the micro-batches in flight of the schedules the chapter
-draws and of its exercises, the activation-memory example for BERT-large, and how long the exchange
-plan makes each schedule take when every batch waits for its matches (section 3.4). Stages are built
-on the meta device (shapes only) except where values are compared."""
+draws and of its exercises, BERT-large's stages (parameters, activation memory per stage with chapter 7's
+assumptions, the work per stage of the even and the uneven split), the exchange figure's count of sends
+that wait, and how long the exchange plan makes each schedule take when every batch waits for its
+matches (section 7 and Appendix A). Stages are built on the meta device (shapes only) except where
+values are compared."""
 from fractions import Fraction
 
 import torch
@@ -13,7 +15,10 @@ from minibert.config import Config
 from minibert.model.bert import BertModel
 from minibert.parallel import p2p_plan
 from minibert.parallel.schedules import layer_ranges, simulate
+from minibert.tools import plan_memory, plan_time
 from minibert.validate import validate
+
+MiB, GiB = 2 ** 20, 2 ** 30
 
 PP1, STAGE0, STAGE1 = 2_201_346, 2_062_080, 2_097_154  # the "number of parameters" lines of the runs
 WORD_TABLE = 30_592 * 64  # padded vocab x hidden
@@ -50,7 +55,7 @@ def test_stage_parameters_and_the_word_table_copy():
 
 def test_the_copy_starts_equal_to_the_first_stage_table():
     cfg = chapter_config(2)
-    first = BertModel(cfg, layer_numbers=range(0, 2), pre_process=True, post_process=False)
+    first = BertModel(cfg, layer_numbers=range(2), pre_process=True, post_process=False)
     last = BertModel(cfg, layer_numbers=range(2, 4), pre_process=False, post_process=True)
     name = "embedding.word_embeddings.weight"
     assert torch.equal(dict(first.named_parameters())[name], dict(last.named_parameters())[name])
@@ -86,14 +91,80 @@ def test_bubbles_and_micro_batches_in_flight_quoted():
     assert [simulate("interleaved", 4, 8, v).peak_in_flight[0] for v in (2, 3, 4)] == [11, 15, 19]
 
 
-def test_activation_memory_example_bert_large():
-    """Korthikanti et al. (2022): 34 s b h + 5 a s^2 b bytes per layer and micro-batch in 16-bit."""
-    s, b, h, a = 512, 4, 1024, 16
-    per_layer = 34 * s * b * h + 5 * a * s * s * b
-    assert per_layer == 155_189_248
-    stage = 6 * per_layer  # BERT-large's 24 layers on 4 stages
-    assert round(stage / 1e9, 2) == 0.93
-    assert round(64 * stage / 1e9, 1) == 59.6 and round(4 * stage / 1e9, 1) == 3.7
+def bert_large(**overrides):
+    """BERT-large on 4 stages, micro-batches of 4 sequences of 512, bf16, dropout on (chapter 7's assumptions)."""
+    cfg = Config(preset="340m", pipeline_model_parallel_size=4, micro_batch_size=4, global_batch_size=32,
+                 train_iters=1, lr=1e-4, bf16=True, **overrides)
+    return validate(cfg, world_size=4, warn=None)
+
+
+def test_bert_large_stages():
+    cfg = bert_large()
+    assert [round(s.parameters / 1e6, 1) for s in plan_memory.stages(cfg)] == [107.4, 75.6, 75.6, 109.0]
+    ranges = layer_ranges(cfg.num_layers, 4)
+    with torch.device("meta"):  # the counts the chapter's runnable block prints, from the model itself
+        built = [sum(p.numel() for p in BertModel(cfg, layer_numbers=r[0], pre_process=k == 0, post_process=k == 3,
+                                                  init=False).parameters()) for k, r in enumerate(ranges)]
+    assert built == [s.parameters for s in plan_memory.stages(cfg)]
+    assert 4 * 512 * 1024 * 2 == 4 * MiB                        # one [b, s, h] message in bf16
+    assert round(cfg.padded_vocab_size * 1024 * 4 / MiB) == 120  # the tied table's fp32 gradient, all-reduced
+    assert 20e9 * 18 == 360e9                                    # 18 bytes per parameter (chapter 4)
+
+
+def test_activation_memory_per_stage_bert_large():
+    """Chapter 7's table: one layer, one micro-batch, flash and local attention (plan_memory.layer_activations)."""
+    cfg = bert_large()
+    flash, local = (plan_memory.layer_activations(cfg, backend).total for backend in ("flash", "local"))
+    assert (round(flash / MiB, 1), round(local / MiB, 1)) == (68.2, 180.0)
+    assert round((local - flash) / MiB) == 112                   # local attention's s x s tensors
+    stage_flash, stage_local = 6 * flash, 6 * local              # 24 layers on 4 stages
+    assert (round(stage_flash / MiB), round(stage_local / MiB)) == (409, 1080)
+    afab = simulate("afab", 4, 64).peak_in_flight
+    one_f_one_b = simulate("1f1b", 4, 64).peak_in_flight
+    assert afab == [64] * 4 and one_f_one_b == [4, 3, 2, 1]
+    assert (round(64 * stage_flash / GiB, 1), round(64 * stage_local / GiB, 1)) == (25.6, 67.5)
+    assert (round(4 * stage_flash / GiB, 1), round(4 * stage_local / GiB, 1)) == (1.6, 4.2)
+    assert (round(stage_flash / GiB, 1), round(stage_local / GiB, 1)) == (0.4, 1.1)
+
+
+def test_work_per_stage_even_and_uneven_bert_large():
+    """The uneven-stages figure: TFLOP per micro-batch of each stage (plan_time's layer and head FLOPs)."""
+    def work(cfg):
+        layer, head = plan_time.layer_flops(cfg), plan_time.head_flops(cfg)
+        ranges = layer_ranges(cfg.num_layers, 4, 1, None, cfg.decoder_last_pipeline_num_layers)
+        return [len(r[0]) * layer + (head if k == 3 else 0) for k, r in enumerate(ranges)]
+    even, uneven = work(bert_large()), work(bert_large(decoder_last_pipeline_num_layers=3))
+    assert [round(w / 1e12, 2) for w in even] == [1.01, 1.01, 1.01, 1.4]
+    assert round(max(uneven) / 1e12, 2) == 1.17 and round(uneven[3] / 1e12, 2) == 0.9
+    assert round(1 - max(uneven) / max(even), 2) == 0.16        # "about 16% shorter"
+
+
+def test_one_batch_against_micro_batches():
+    whole = simulate("afab", 4, 1, forward_time=8, backward_time=16)
+    assert (whole.total_time, whole.ideal_compute) == (96, 24)
+    assert simulate("afab", 4, 8).total_time == 33
+    assert round(float(simulate("1f1b", 4, 32).bubble), 3) == 0.094  # p = 4 needs m = 32 for 9.4%
+
+
+def sends_that_wait(rule):
+    """The exchange figure: sends whose receive is posted later, on the ideal timeline (interleaved 2, 4, 2)."""
+    timeline = simulate("interleaved", 2, 4, 2)
+    actions = [[a for _, _, a in entries] for entries in timeline.entries]
+    plan = (p2p_plan.plan_exchanges(timeline.entries, 2, 2) if rule == "timeline"
+            else p2p_plan.plain_exchanges(actions, 2, 2))
+    posted = [[0] + [e for _, e, _ in entries] for entries in timeline.entries]
+    when = {}
+    for rank, batches in enumerate(plan):
+        for i, batch in enumerate(batches):
+            for x in batch:
+                when[(x.op, x.message)] = posted[rank][i]
+    sends = [m for op, m in when if op == "send"]
+    return sum(when[("recv", m)] > when[("send", m)] for m in sends), len(sends)
+
+
+def test_exchange_figure_counts():
+    assert sends_that_wait("plain") == (10, 24)
+    assert sends_that_wait("timeline") == (0, 24)
 
 
 def executed_total_time(kind, p, m, vp):
