@@ -28,7 +28,7 @@ Why a hash and not Philox, the generator cuRAND and FlashAttention use: one Phil
 elements, and those elements sit in different threads of the tensor cores' layout: the bits then travel
 through shared memory. This hash costs ~9 instructions per element, in the thread that holds the element,
 with nothing to move. Of the three ways timed in flash attention's fwd+bwd (one Philox call per element,
-one per 8 keys, this hash) the hash is the fastest; chapter 3, section 4.6 holds the times.
+one per 8 keys, this hash) the hash is the fastest; chapter 3, appendix B, says what was tried.
 The hash is not a cryptographic or Crush-tested generator, and dropout does not need one.
 
 The seed of each call (draw_seed) is a Python number drawn from torch's CPU generator, passed to the kernel

@@ -48,7 +48,7 @@ with t = round(p * 2^31), so the dropout rate is t / 2^31 and the decision depen
 never on the tile sizes. Each thread hashes the scores it holds, in the layout the tensor cores left them
 in, for ~9 integer instructions per score and no data moved between threads. (Philox, the usual generator,
 costs ~60 instructions per call: sharing one call between 8 keys needed the bits moved through shared
-memory, and was slower than this hash at BERT-large's shapes; the timings: chapter 3, section 4.6, and
+memory, and was slower than this hash at BERT-large's shapes; the timings: chapter 3, section 7 and appendix B, and
 bench/notes/training.md.)
 The running sum l uses the undropped P (dropout acts after softmax); kept values are scaled by
 1 / (1 - t / 2^31) once, on the output.

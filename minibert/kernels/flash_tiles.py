@@ -40,7 +40,7 @@ class Tile(NamedTuple):
 # and spills; its counts: bench/notes/attention-one-kernel.md).
 TILE_CANDIDATES = {
     # d <= 64: the first of each list won `bench/attention_bench.py --sweep` at b32 h16 s512 d64 bf16, key
-    # lengths U[256, 512] (the times: chapter 3, section 4.8).
+    # lengths U[256, 512] (the times: chapter 3, appendix A).
     64: {"forward": [Tile(64, 128, 4, 3), Tile(128, 64, 4, 2), Tile(128, 64, 8, 3), Tile(128, 64, 4, 3),
                      Tile(128, 64, 4, 4), Tile(128, 32, 4, 3), Tile(128, 32, 4, 4), Tile(128, 128, 8, 2),
                      Tile(64, 64, 4, 3)],
