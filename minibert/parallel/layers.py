@@ -13,7 +13,7 @@ attention is (QKV column-parallel by heads, output projection row-parallel): one
 
 Each weight remembers which block of the full tensor it is (partition_dim, partition_index,
 partition_count, full_shape: Megatron's tensor_model_parallel / partition_dim attributes), so the init
-draws the full tensor from its seed and keeps the block (minibert.model.bert.init_parameters), and checkpoint
+draws the full tensor from its seed and keeps the block (minibert.model.init_weights.init_parameters), and checkpoint
 conversion can reassemble it. A parameter that every rank holds whole (a LayerNorm, a row-parallel bias)
 carries no such mark.
 
