@@ -187,8 +187,9 @@ def test_the_h200_table_is_the_files_and_its_planner_columns_the_planners(printe
     """Section 7 prints bench/results/plan_check_h200_2026-12-01.md's rows; their planner columns are what the planner says
     today for bench/plan_check.py's flags (so the measured ratios still compare with this planner)."""
     from bench.plan_check import COMMON, CONFIGS
-    with open(os.path.join(ROOT, "bench", "plan_check_h200.md"), encoding="utf-8") as f:
-        rows = [[cell.strip() for cell in line.strip().strip("|").split("|")] for line in f.read().splitlines()[2:]]
+    with open(os.path.join(ROOT, "bench", "results", "plan_check_h200_2026-12-01.md"), encoding="utf-8") as f:
+        rows = [[cell.strip() for cell in line.strip().strip("|").split("|")] for line in f.read().splitlines()[2:]
+                if line.startswith("|")]
     assert [r[0] for r in rows] == [name for name, *_ in CONFIGS]
     for cells, (name, flags, iterations, interval) in zip(rows, CONFIGS):
         assert " | ".join(cells) in printed, cells
