@@ -1,7 +1,7 @@
 """The numbers chapters/04-data-parallel.md quotes that can be recomputed without launching a run: the
 parameter count of BERT-large and its bytes per rank with and without ZeRO-1, the optimizer state each
-rank of the chapter's small model holds at DP 1, 2 and 4, its gradient buckets, and the rows each
-data-parallel rank reads. Models are built on the meta device (shapes only, no memory, no arithmetic)
+rank of the chapter's small model holds at DP 1, 2 and 4, the gradient buckets of both models, and the
+rows each data-parallel rank reads. Models are built on the meta device (shapes only, no memory, no arithmetic)
 and the data-parallel ranks are simulated by ParallelState(dp=..., rank=...) without process groups."""
 import pytest
 import torch
@@ -80,6 +80,18 @@ def test_buckets_of_the_chapter_model():
               for size in (None, 100_000, 20_000)}
     assert counts == {None: [2_101_440], 100_000: [105_792, 1_995_648],
                       20_000: [39_232, 33_216, 33_344, 20_928, 1_974_720]}
+
+
+def test_bert_large_default_buckets():
+    """Section 6 and its timeline figure: Megatron's default bucket size (40M elements at DP 1) cuts
+    BERT-large's 302 parameters into 8 buckets in backward order, the last ending with the word embedding;
+    the chapter's model has 38 parameters, one default bucket, whose fp32 gradients are 8.4 MB."""
+    cfg = validate(Config(preset="340m", micro_batch_size=2, train_iters=1, lr=1e-4), warn=None)
+    buckets = DataParallelGrads(meta_model(cfg), ParallelState()).buckets
+    assert len(buckets) == 8 and sum(len(b.params) for b in buckets) == 302
+    assert buckets[0].names[0] == "binary_head.bias" and buckets[-1].names[-1] == "embedding.word_embeddings.weight"
+    (small,) = DataParallelGrads(meta_model(chapter_model_config()), ParallelState()).buckets
+    assert len(small.params) == 38 and round(4 * small.grad_data.numel() / 1e6, 1) == 8.4
 
 
 def test_every_parameter_starts_on_an_aligned_address():

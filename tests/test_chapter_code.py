@@ -74,3 +74,23 @@ def test_quoted_code_is_the_code(path):
             if missing is not None:
                 problems.append(f"{path.name}:{line}: not in {source} (in this order):\n{missing}")
     assert not problems, "\n".join(problems)
+
+
+def slug(heading):
+    """GitHub's anchor for a heading: lowercase, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_every_link_to_a_section_lands_on_a_heading():
+    """[text](02-single-gpu.md#7-checkpoints) and [text](#3-the-loss) point at a heading that exists, across
+    the chapters, the glossary, docs/ and the README (a renamed section breaks no reader's link)."""
+    documents = CHAPTERS + sorted((ROOT / "docs").glob("*.md")) + [ROOT / "README.md"]
+    anchors = {p.resolve(): {slug(line.lstrip("#")) for line in p.read_text(encoding="utf-8").split("\n")
+                             if line.startswith("#")} for p in documents}
+    broken = []
+    for path in documents:
+        for m in re.finditer(r"\]\(([^)#\s]*\.md)?#([\w\-]+)\)", path.read_text(encoding="utf-8")):
+            target = (path.parent / m[1]).resolve() if m[1] else path.resolve()
+            if m[2] not in anchors.get(target, set()):
+                broken.append(f"{path.relative_to(ROOT)}: {m[0]}")
+    assert not broken, "\n".join(broken)

@@ -292,7 +292,8 @@ def test_every_training_run_in_the_text_can_run_twice():
 @pytest.mark.parametrize("relative_path", [d for d in DOCUMENTS if d.startswith("chapters")])
 def test_chapter_shape(relative_path):
     """Each chapter opens with what you will learn and the tools it needs, and has a "Run it now"
-    section with commands to run and exercises that say what to expect."""
+    section with commands to run and exercises that say what to expect; each lesson (chapters 1-8) shows
+    at least one figure and ends with a recap (before any appendix)."""
     with open(os.path.join(ROOT, relative_path), encoding="utf-8") as f:
         sections = f.read().split("\n## ")
     assert "**What you will learn**" in sections[0] and "**Tools**" in sections[0], relative_path
@@ -300,3 +301,9 @@ def test_chapter_shape(relative_path):
     assert len(run_it_now) == 1, f"{relative_path}: no (or more than one) 'Run it now' section"
     assert MARKER in run_it_now[0], f"{relative_path}: 'Run it now' has no runnable commands"
     assert "**Try this**" in run_it_now[0], f"{relative_path}: 'Run it now' has no exercises"
+    if not os.path.basename(relative_path).startswith("00"):
+        titles = [section.split("\n", 1)[0] for section in sections[1:]]
+        assert "Recap" in titles, f"{relative_path}: no '## Recap' section"
+        assert all(t == "Recap" or t.startswith("Appendix") for t in titles[titles.index("Recap"):]), \
+            f"{relative_path}: only appendices may follow the recap"
+        assert "](figures/" in "".join(sections), f"{relative_path}: no figure"
