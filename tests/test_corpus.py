@@ -88,10 +88,10 @@ def test_synthetic_corpus_is_the_course_file(tmp_path):
 
 
 @pytest.mark.parametrize("entry, in_root", [(["-m", "minibert.data.corpus"], True),
-                                             ([os.path.join(ROOT, "minibert", "corpus.py")], False)],
+                                             ([os.path.join(ROOT, "minibert", "data", "corpus.py")], False)],
                          ids=["module", "script"])
 def test_cli_synthetic(entry, in_root, tmp_path):
-    """`python -m minibert.data.corpus` in the checkout; `python path/to/minibert/corpus.py` from anywhere."""
+    """`python -m minibert.data.corpus` in the checkout; `python path/to/minibert/data/corpus.py` from anywhere."""
     output = tmp_path / "sample.txt"
     result = run([*entry, "--output", str(output), "--synthetic"], cwd=ROOT if in_root else tmp_path)
     assert result.returncode == 0, result.stderr
