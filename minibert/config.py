@@ -132,6 +132,18 @@ class Config:
     min_loss_scale: float = _flag(1.0, "fp16: the scale never drops below this")
     loss_scale_window: int = _flag(1000, "fp16: double the scale after this many clean steps")
     hysteresis: int = _flag(2, "fp16: overflows tolerated before the scale is halved")
+    fp8_format: str = _flag(None, "with --bf16: each transformer layer's four matrix products in FP8 "
+                                  "(minibert/fast/fp8.py): e4m3 for every operand, or hybrid (e4m3 for "
+                                  "activations and weights, e5m2 for the output gradients); default: off",
+                            choices=["e4m3", "hybrid"])
+    fp8_recipe: str = _flag("delayed", "FP8 scaling: delayed (each tensor's scale from its amax history of the "
+                                       "previous steps) or tensorwise (from the tensor's own amax, computed "
+                                       "now)", choices=["delayed", "tensorwise"])
+    fp8_amax_history_len: int = _flag(1, "delayed FP8 scaling: steps of amax history kept per tensor")
+    fp8_amax_compute_algo: str = _flag("most_recent", "delayed FP8 scaling: the amax a scale is computed from: "
+                                                      "the history's max, or its most recent entry",
+                                       choices=["max", "most_recent"])
+    fp8_margin: int = _flag(0, "FP8 scaling margin: scale = FP8 max / amax / 2^margin")
     seed: int = _flag(1234, "seeds data sampling, masking, init and dropout")
     check_for_nan_in_loss_and_grad: bool = _flag(True, "stop at a non-finite loss or grad norm (off: skip "
                                                        "the update and count a nan iteration)",

@@ -7,6 +7,7 @@
             loss.backward()                                     grads add up in fp32 buffers
         finalize_model_grads    the buffers averaged over DP (overlapped with the last backward with
                                 --overlap-grad-reduce), the sequence- and pipeline-parallel copies summed
+        fp8_step                --fp8-format, delayed recipe: this step's amaxes -> the next step's scales
         optimizer.step()        global grad norm; skip on inf/NaN; clip; AdamW on fp32 masters
         scheduler.step(G)       only when the update happened (a skipped step keeps its LR)
         log every --log-interval, evaluate every --eval-interval, save every --save-interval
@@ -47,6 +48,7 @@ from minibert.data.batches import (  # noqa: F401
 )
 from minibert.errors import UsageError, exit_on_usage_error, write_line
 from minibert.fast.cuda_graphs import forward_backward_captured
+from minibert.fast.fp8 import fp8_step
 from minibert.fast.levers import apply_levers
 from minibert.model.attention import reads_packed_rows
 from minibert.model.loss import pretraining_loss
@@ -197,6 +199,8 @@ def train_step(model, optimizer, scheduler, data_iterator, cfg, state, pipeline=
     if isinstance(data_iterator, PrefetchingBatches):  # the next step's batches, while the GPU runs this one
         data_iterator.prefetch(functools.partial(fetch_batches, data_iterator, cfg, state))
     finalize_model_grads(grads, state, tied_embedding(chunks, state))
+    if cfg.fp8_format is not None:
+        fp8_step(chunks, state)  # once per step, outside any CUDA graph (minibert/fast/fp8.py)
     outcome = optimizer.step(nonfinite)
     if outcome.update_successful:
         scheduler.step(increment=cfg.global_batch_size)

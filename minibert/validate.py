@@ -32,9 +32,10 @@ RANGES = {
                      "decoder_last_pipeline_num_layers", "distributed_timeout_minutes", "ddp_bucket_size",
                      "micro_batch_size", "global_batch_size", "train_iters", "lr_decay_iters", "adam_eps",
                      "initial_loss_scale", "min_loss_scale", "loss_scale_window", "hysteresis", "save_interval",
-                     "exit_interval", "eval_interval", "log_interval", "profile_step_end"], POSITIVE),
+                     "exit_interval", "eval_interval", "log_interval", "profile_step_end",
+                     "fp8_amax_history_len"], POSITIVE),
     **dict.fromkeys(["lr", "min_lr", "lr_warmup_iters", "weight_decay", "clip_grad", "eval_iters", "num_workers",
-                     "profile_step_start"], AT_LEAST_0),  # --clip-grad 0: no clipping
+                     "profile_step_start", "fp8_margin"], AT_LEAST_0),  # --clip-grad 0: no clipping
     **dict.fromkeys(["hidden_dropout", "attention_dropout", "adam_beta1", "adam_beta2"], BELOW_1),
     **dict.fromkeys(["lr_warmup_fraction", "short_seq_prob", "mask_prob"], PROBABILITY),
     "seed": (0, 2 ** 32 - 1, "[", "]"),  # numpy's generators take seeds in [0, 2^32)
@@ -121,6 +122,7 @@ def validate(cfg: Config, world_size: int = 1, device_type: str = "cpu", warn=_w
                          "--lr-decay-iters")
     _validate_save(cfg)
     _validate_for_device(cfg, device_type, warn)
+    _validate_fp8(cfg, device_type)
     _validate_cuda_graph(cfg, device_type, warn)
     from minibert.data.tokenizer import (
         build_tokenizer,  # the vocab's size sizes the embedding
@@ -219,3 +221,28 @@ def _validate_cuda_graph(cfg: Config, device_type: str, warn):
         warn("--overlap-grad-reduce is off with --cuda-graph-impl local: the gradients are reduced after the "
              "last micro-batch's graph")
         cfg.overlap_grad_reduce = False
+
+
+FP8_MIN_CAPABILITY = (8, 9)  # Ada and Hopper: the first GPUs with FP8 matrix units
+
+
+def _validate_fp8(cfg: Config, device_type: str):
+    """--fp8-format: a bf16 model whose layer matrices the FP8 matrix products can take (minibert/fast/fp8.py),
+    on a GPU with FP8 matrix units; on the CPU torch._scaled_mm runs it too (slowly: for tests)."""
+    if cfg.fp8_format is None:
+        return
+    if not cfg.bf16:
+        raise UsageError(f"--fp8-format {cfg.fp8_format} runs the layers' matrix products in FP8 inside a bf16 model: "
+                         "add --bf16")
+    tp = cfg.tensor_model_parallel_size
+    for flag, size in (("--hidden-size", cfg.hidden_size), ("--ffn-hidden-size", cfg.ffn_size)):
+        if size % (16 * tp):
+            raise UsageError(f"--fp8-format: {flag} {size} must be a multiple of 16 x --tensor-model-parallel-size "
+                             f"{tp} = {16 * tp} (an FP8 matrix product takes its dimensions in multiples of 16, on "
+                             "each tensor-parallel rank)")
+    if device_type == "cuda":
+        import torch  # here: the config checks load without torch
+        if torch.cuda.is_available() and torch.cuda.get_device_capability() < FP8_MIN_CAPABILITY:
+            major, minor = torch.cuda.get_device_capability()
+            raise UsageError(f"--fp8-format needs a GPU with FP8 matrix units (compute capability 8.9 or newer: "
+                             f"Ada, Hopper); this one has {major}.{minor}: drop --fp8-format")

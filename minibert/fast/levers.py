@@ -10,10 +10,15 @@ same math faster on a GPU, and runs the plain twin's code everywhere else, the C
     the bias gradient as a GEMV (always)   nn.Linear and the decoders         F.linear's autograd
     --adam-fusion (on)                     MixedPrecisionOptimizer -> Fused   PyTorch's fused AdamW + copy
     --cuda-graph-impl local (off)          the schedule (minibert/train.py)   forward_backward_no_pipelining
+    --fp8-format e4m3|hybrid (off)         each layer's 4 Linears -> FP8...   the bf16 Linear
 
 Parameters, their names and the optimizer's state are untouched, so checkpoints do not depend on the
-levers. Chapter 8 measures each one; its tests check each against its plain twin."""
-from minibert.fast import linear, residual
+levers, but for one addition: FP8's delayed recipe keeps its scaling state in buffers of the model (saved
+with it; minibert/training/resume.py says how checkpoints with and without it load). Unlike the others,
+FP8 changes the numbers (it rounds the products' operands to 8 bits) and runs on the CPU too
+(torch._scaled_mm): tests/test_fp8.py checks it against a float64 product of the same FP8 operands.
+Chapter 8 measures the other levers, and their tests check each against its plain twin."""
+from minibert.fast import fp8, linear, residual
 from minibert.fast.residual import fused_kernels_apply
 from minibert.model.loss import lm_cross_entropy
 from minibert.training.build import as_chunks
@@ -35,6 +40,8 @@ def apply_levers(model, optimizer, cfg):
     for chunk in as_chunks(model):
         residual.apply(chunk, cfg)
         linear.apply(chunk)
+        if cfg.fp8_format is not None:
+            fp8.apply(chunk, cfg)
         if cfg.cross_entropy_loss_fusion and chunk.lm_cross_entropy is lm_cross_entropy:  # TP has its own
             chunk.lm_cross_entropy = fused_lm_cross_entropy
     if optimizer is not None and cfg.adam_fusion and optimizer.pieces and optimizer.pieces[0].master.is_cuda:

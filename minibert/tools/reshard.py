@@ -36,7 +36,9 @@ module. The optimizer state is written in the non-distributed form (one piece pe
 range): it loads at any data-parallel size, with or without --use-distributed-optimizer.
 
 Carried over unchanged: iteration, LR scheduler, consumed samples, data_stream, fp16 loss scaler, and the
-random generators. What cannot be carried exactly: the tensor-parallel generators (attention dropout;
+random generators. Not carried: FP8 scaling state (--fp8-format's amax histories and scales, which are not
+weights): a resumed FP8 run starts it afresh (minibert/training/resume.py), and load_model leaves it out.
+What cannot be carried exactly: the tensor-parallel generators (attention dropout;
 with sequence parallelism also hidden dropout) are one per TP rank, and a new TP size has other ranks
 drawing over other heads: they restart from their seeds (seed + 2718 + tp_rank, minibert.parallel.rng).
 The default generators are TP rank 0's (they are equal on every TP rank); a pipeline stage the source did
@@ -65,6 +67,7 @@ from minibert.parallel.tensor_parallel import PLAN
 from minibert.training import checkpoint
 from minibert.training.manifest import write_manifest
 from minibert.training.optim import _cut
+from minibert.training.resume import is_fp8_state
 from minibert.validate import validate
 
 OPTIMIZER_KINDS = ("exp_avg", "exp_avg_sq", "master")  # per parameter, beside the weights ("model")
@@ -124,12 +127,12 @@ def read_source(directory: str) -> Source:
 def local_tensors(state: dict) -> dict:
     """kind -> name -> this rank's tensor: "model" its weights; "exp_avg", "exp_avg_sq", "master" its
     optimizer state, each put back together from its pieces into the shape of the rank's weight."""
-    tensors = {"model": dict(state["model"])}
+    tensors = {"model": {k: v for k, v in state["model"].items() if not is_fp8_state(k)}}  # the weights
     optimizer = state.get("optimizer")
     if not optimizer:  # released weights
         return tensors
     saved = optimizer["shards"] if optimizer.get("distributed") else [optimizer]
-    for name, weight in state["model"].items():
+    for name, weight in tensors["model"].items():
         entries = [s["params"][name] for s in saved if name in s["params"]]
         if not entries:
             raise UsageError(f"the checkpoint's optimizer has no state for {name}: a file is missing or foreign")
@@ -324,6 +327,9 @@ def convert(load, save, target_tensor_parallel_size, target_pipeline_model_paral
     check_shapes(full, cfg, load)
     carried = {k: v for k, v in source.files[(0, 0)].items() if k not in REBUILT}
     tp, pp = cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size
+    if any(is_fp8_state(k) for state in source.files.values() for k in state["model"]):
+        warn("the FP8 scaling state (amax histories and scales) is not converted: a resumed --fp8-format run "
+             "starts it afresh")
     if tp != source.tp and source.iteration != checkpoint.RELEASE:
         warn(f"the tensor-parallel dropout generators cannot be carried from TP {source.tp} to TP {tp}: they "
              "restart from their seeds, so a resumed run repeats the unbroken run's losses only with dropout off")

@@ -10,7 +10,12 @@ the saved arguments are compared with the flags:
 
 A mismatch is one line naming the flag, its saved value and the fix. Then the weights, the optimizer
 (or not: --finetune, --no-load-optim), the LR step, the loss scale and the random generators are put
-back, so the next step is the step the interrupted run would have taken."""
+back, so the next step is the step the interrupted run would have taken.
+
+FP8 scaling state (--fp8-format with the delayed recipe: each FP8 linear's amax histories and scales,
+buffers named fp8_*, minibert/fast/fp8.py) is part of the checkpoint of such a run and comes back with the
+weights. It is not a weight: a checkpoint without it (a bf16 run's, a tensorwise run's) loads into an FP8
+run, whose histories then start empty, and a run without FP8 ignores a checkpoint's; each with one warning."""
 import dataclasses
 import random
 import sys
@@ -19,6 +24,14 @@ import numpy as np
 import torch
 
 from minibert.errors import UsageError
+
+FP8_STATE = "fp8_"  # the FP8 state's names end in fp8_...: layers.0.mlp.dense_h_to_4h.fp8_scale
+
+
+def is_fp8_state(name: str) -> bool:
+    """An entry of a model's state dict that is FP8 scaling state, not a weight."""
+    return name.rpartition(".")[2].startswith(FP8_STATE)
+
 
 MODEL_SHAPE_ARGS = ["num_layers", "hidden_size", "num_attention_heads", "ffn_size", "max_positions",
                     "vocab_size", "post_ln", "bert_no_binary_head", "layernorm_epsilon"]
@@ -99,6 +112,24 @@ def check_model_args(saved_args: dict, cfg):
                          "or another --load")
 
 
+def load_model_state(chunks, saved: dict, warn):
+    """Each chunk's state from a checkpoint's model dict: every weight must be there (KeyError); FP8 scaling
+    state is taken where both have it (see the module docstring)."""
+    fresh, own = False, set()
+    for chunk in chunks:
+        current = chunk.state_dict()
+        own.update(current)
+        missing = {k for k in current if is_fp8_state(k) and k not in saved}  # kept as they are: fresh
+        fresh = fresh or bool(missing)
+        chunk.load_state_dict({k: v if k in missing else saved[k] for k, v in current.items()})
+    if fresh:
+        warn("the checkpoint holds no FP8 scaling state (saved without --fp8-format, with --fp8-recipe tensorwise, "
+             "or converted): the amax histories start empty, and each tensor's first scale comes from its own amax")
+    if any(is_fp8_state(k) and k not in own for k in saved):
+        warn("the checkpoint's FP8 scaling state (amax histories and scales) is not used: this run has no "
+             "--fp8-format with the delayed recipe")
+
+
 def restore_training_state(state: dict, cfg, model, optimizer, scheduler, data_stream=None, warn=None):
     """Put a loaded checkpoint back into the model (a model or this rank's chunks), optimizer and
     scheduler. Returns (iteration, consumed_train_samples, consumed_valid_samples). With --finetune or
@@ -111,8 +142,7 @@ def restore_training_state(state: dict, cfg, model, optimizer, scheduler, data_s
     check_layout(state["args"], cfg)
     chunks = model if isinstance(model, (list, tuple)) else [model]
     try:
-        for chunk in chunks:
-            chunk.load_state_dict({k: state["model"][k] for k in chunk.state_dict()})
+        load_model_state(chunks, state["model"], warn)
         if state.get("release") or cfg.finetune:
             optimizer.reload_masters()
             return 0, 0, 0

@@ -1,0 +1,309 @@
+"""FP8 training of the transformer layers' matrix products (--fp8-format), as Megatron runs it through
+NVIDIA Transformer Engine (TE): the four Linears of every layer multiply FP8 operands on the GPU's FP8
+matrix units, everything else stays in bf16.
+
+Two FP8 formats. A float is sign x 2^exponent x 1.mantissa; with 8 bits there are two sensible splits:
+
+    e4m3  s eeee mmm   largest 448      8 steps per power of 2 (relative step 1/8)     smallest normal 2^-6
+    e5m2  s eeeee mm   largest 57344    4 steps per power of 2 (relative step 1/4)     smallest normal 2^-14
+
+e4m3 is the more precise, e5m2 reaches further (the "fn" of torch.float8_e4m3fn: no infinities, which
+buys it the top values up to 448). --fp8-format e4m3 uses e4m3 for everything; hybrid (the usual choice)
+keeps e4m3 for activations and weights and gives the gradients of the outputs, whose values spread over
+more powers of 2, e5m2.
+
+Why a scale per tensor. Either format covers only a few powers of 2 around 1, while a layer's tensors sit
+wherever their magnitudes put them (weights near 0.02, gradients near 1e-6). So each tensor is multiplied
+by a scale before the cast, chosen so that its largest magnitude, its amax, lands at the format's top:
+
+    scale = fp8_max / amax / 2^margin            x8 = cast(x * scale)          x ~ x8 / scale
+
+    |x|:   0 ........................ amax            values of the tensor
+             \\                          \\  x scale
+    fp8:   0 ... 2^-9 ... 1 ... 2^8 .. 448           what e4m3 can hold
+
+The product of two scaled operands is unscaled in the GEMM's fp32 epilogue: torch._scaled_mm takes the
+inverse scales (scale_a, scale_b) and writes a bf16 (the input's dtype) result. The scale is one fp32 number
+per tensor ("tensorwise"); finer recipes (per block: mxfp8, blockwise) are left out.
+
+Where the scale comes from, the two recipes of --fp8-recipe:
+
+    tensorwise (current scaling)   amax of this tensor, now: one extra pass over it before the cast
+    delayed                        amax of the same tensor in earlier steps: the cast needs no pass of
+                                   its own to find the amax, which is recorded while casting (a fused
+                                   kernel's gain; the plain ops here still take the extra pass)
+
+    step:                 t-2      t-1       t        (delayed)
+    amax history:        [a_t-2]  [a_t-1]            <- each step's largest amax, reduced over the ranks
+    scale used at t:     fp8_max / (max or most recent of the history) / 2^margin
+
+Delayed scaling bets that a tensor's range changes slowly; a tensor that grows past its history's amax
+saturates at fp8_max for a step (the cast clamps) until the history catches up. Per FP8 linear it keeps
+three histories (input, weight, gradient of the output), --fp8-amax-history-len steps each, chosen by
+--fp8-amax-compute-algo (max of the history or its most recent entry). During a step every micro-batch
+only records its amaxes (a running max); fp8_step, called by the trainer once per optimizer step after the
+gradients are reduced, takes the max over the tensor- and data-parallel ranks (so every layout computes the
+one-process run's scales), rolls the histories and computes the next step's scales. A tensor with no
+history yet (a fresh run's first step, or a run resumed from a checkpoint without FP8 state) is scaled by
+its own current amax; TE starts from scale 1 instead, which would flush small gradients to zero for a step.
+
+The state (amax histories, scales) is fp32 buffers of each FP8 linear, named fp8_*: it lives on the device,
+is updated in place, and is saved in the model's state dict, so a checkpoint resumes exactly
+(minibert/training/resume.py: a checkpoint without it loads with a warning and fresh state; the
+weights-only loaders leave it out). With --cuda-graph-impl local a captured micro-batch reads the scales
+and records its amaxes at their fixed addresses, and fp8_step runs between replays, outside the graphs
+(the graphs' warm-up run records the amaxes of the micro-batch replayed next: the same maximum).
+
+Layouts. Delayed scales are the one-process run's (amaxes maxed over the ranks), except in the first step,
+where each rank scales by what it holds. Tensorwise scaling has no collective: under tensor parallelism
+each rank scales its own shard (of a weight, of a row-parallel layer's input) by the shard's amax, so its
+numbers differ from the one-process run's by FP8 rounding.
+
+What stays in bf16, as in Megatron with TE: the embeddings and the LM head (the vocab-sized matrices, where
+the loss is most sensitive to rounding), the pooler and SOP head (tiny), the attention core (softmax(QK^T)V
+is a product of activations, not of weights; TE has an FP8 attention of its own, off by default), and the
+LayerNorms. The weights themselves, their fp32 main gradients, and the optimizer are untouched: the FP8
+copies live only inside a product.
+
+The GPU's FP8 GEMM (cuBLASLt) has rules the CPU's torch._scaled_mm does not check, so `scaled_mm` checks
+them here and the CPU tests run the GPU's layouts: the first operand row-major, the second column-major;
+the inner dimension and the second operand's other one multiples of 16; never e5m2 x e5m2. For y = x W^T:
+
+    forward   y  [m, n] = x8 [m, k]      @ W8^T [k, n]       W8 [n, k] row-major: its .t() is column-major
+    dgrad     dx [m, k] = g8 [m, n]      @ W8   [n, k]       the column-major W8 is a transposed copy
+    wgrad     dW [n, k] = g8^T [n, m']   @ x8   [m', k]      m rounded up to m' (16s) with zero rows
+
+k and n are hidden and FFN sizes (over TP), which validate.py requires in 16s; the token count m is
+whatever a packed micro-batch holds, so the weight gradient's inner dimension is padded. The bias
+gradient is the row sum of the bf16 gradient (fast/linear.py's GEMV), not of its FP8 copy.
+
+The plain twin is the bf16 Linear that runs without --fp8-format. What is not here yet: a fused cast
+kernel (one pass: amax + scale + cast + transpose), the weight's FP8 copy kept across a step's micro-batches,
+and sequence parallelism's gather in FP8 (here the bf16 input is gathered and its FP8 copy of the whole
+sequence is kept for the weight gradient)."""
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from minibert.fast import linear as fast_linear
+from minibert.parallel.layers import ColumnParallelLinear, RowParallelLinear
+from minibert.parallel.mappings import (
+    copy_to_tensor_parallel_region,
+    gather_from_sequence_parallel_region,
+    gather_from_tensor_parallel_region,
+    reduce_from_tensor_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+    scatter_to_tensor_parallel_region,
+)
+from minibert.parallel.state import all_reduce
+from minibert.training.build import as_chunks
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+FP8_MAX = {E4M3: torch.finfo(E4M3).max, E5M2: torch.finfo(E5M2).max}  # 448, 57344
+INPUT, WEIGHT, GRAD = 0, 1, 2  # the three tensors of an FP8 linear: one amax history and scale each
+MULTIPLE = 16  # what the FP8 GEMM's dimensions must be multiples of
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """How an FP8 linear picks its formats and scales (the --fp8-* flags)."""
+    format: str = "hybrid"       # e4m3 | hybrid                  (--fp8-format)
+    scaling: str = "delayed"     # delayed | tensorwise           (--fp8-recipe)
+    history_len: int = 1
+    algo: str = "most_recent"    # max | most_recent
+    margin: int = 0
+
+    @classmethod
+    def of(cls, cfg):
+        return cls(cfg.fp8_format, cfg.fp8_recipe, cfg.fp8_amax_history_len, cfg.fp8_amax_compute_algo,
+                   cfg.fp8_margin)
+
+    @property
+    def delayed(self) -> bool:
+        return self.scaling == "delayed"
+
+    def dtype(self, which):
+        """The FP8 format of tensor `which` (INPUT, WEIGHT, GRAD)."""
+        return E5M2 if which == GRAD and self.format == "hybrid" else E4M3
+
+
+def scale_from_amax(amax, dtype, margin=0, otherwise=1.0):
+    """fp8_max / amax / 2^margin (fp32), or `otherwise` (a number or a tensor) where that is no scale at all:
+    amax 0 (an all-zero tensor), or not finite."""
+    scale = FP8_MAX[dtype] / amax.float() * 2.0 ** -margin
+    usable = torch.isfinite(scale) & (scale > 0)
+    return torch.where(usable, scale, otherwise)
+
+
+def quantize(t, dtype, scale):
+    """t * scale, saturated to the format's range, cast to FP8 (a value past the top clamps, as TE's cast)."""
+    limit = FP8_MAX[dtype]
+    return (t.float() * scale).clamp_(-limit, limit).to(dtype)
+
+
+def pad_rows(t):
+    """[m, k] -> [m', k]: zero rows up to the next multiple of 16 (the weight gradient's inner dimension)."""
+    missing = -t.shape[0] % MULTIPLE
+    return F.pad(t, (0, 0, 0, missing)) if missing else t
+
+
+def scaled_mm(a, b, a_inverse, b_inverse, out_dtype, bias=None):
+    """a [m, k] @ b [k, n] of FP8 operands, each times its inverse scale, accumulated in fp32 -> [m, n] in
+    out_dtype (+ bias, in the epilogue where the GPU allows it: a bias of the output's 16-bit dtype).
+    Checks the GPU's rules (module docstring) so that the CPU, where torch._scaled_mm takes anything, runs
+    the layouts the GPU needs."""
+    if a.dtype == E5M2 and b.dtype == E5M2:
+        raise ValueError("an FP8 GEMM takes no two e5m2 operands")
+    if a.stride() != (a.shape[1], 1) or b.stride() != (1, b.shape[0]):
+        raise ValueError(f"an FP8 GEMM takes a row-major first operand and a column-major second one, got "
+                         f"strides {a.stride()} and {b.stride()}")
+    if a.shape[1] % MULTIPLE or b.shape[1] % MULTIPLE:
+        raise ValueError(f"an FP8 GEMM takes dimensions in multiples of {MULTIPLE}, got [{a.shape[0]}, "
+                         f"{a.shape[1]}] @ [{b.shape[0]}, {b.shape[1]}]")
+    epilogue = bias is not None and bias.dtype == out_dtype and out_dtype in (torch.bfloat16, torch.float16)
+    y = torch._scaled_mm(a, b, scale_a=a_inverse, scale_b=b_inverse, bias=bias if epilogue else None,
+                         out_dtype=out_dtype)
+    return y if bias is None or epilogue else y + bias
+
+
+class FP8LinearFunction(torch.autograd.Function):
+    """y = x W^T + b with both products of the backward in FP8 too (module docstring). `module` is the FP8
+    linear whose recipe and state give the scales; record: note this forward's amaxes (training)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, module, record):
+        rows = x.reshape(-1, x.shape[-1])  # [m, k]
+        m = rows.shape[0]
+        x8, x_inverse = module.fp8_quantize(pad_rows(rows), INPUT, record)  # [m', k]: padded for the wgrad
+        w8, w_inverse = module.fp8_quantize(weight, WEIGHT, record)  # [n, k]
+        y = scaled_mm(x8[:m], w8.t(), x_inverse, w_inverse, x.dtype, bias)  # [m, n]
+        ctx.save_for_backward(x8, w8, x_inverse, w_inverse)  # the FP8 copies: 1 byte an element
+        ctx.module, ctx.has_bias, ctx.x_shape, ctx.weight_dtype = module, bias is not None, x.shape, weight.dtype
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad):
+        x8, w8, x_inverse, w_inverse = ctx.saved_tensors
+        grad_rows = grad.reshape(-1, grad.shape[-1])  # [m, n]
+        m = grad_rows.shape[0]
+        g8, g_inverse = ctx.module.fp8_quantize(pad_rows(grad_rows), GRAD, True)  # [m', n]
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:  # dx = g W: W [n, k] column-major is the row-major [k, n] transposed
+            w8_transposed = w8.t().contiguous()
+            grad_x = scaled_mm(g8[:m], w8_transposed.t(), g_inverse, w_inverse, grad.dtype).view(ctx.x_shape)
+        if ctx.needs_input_grad[1]:  # dW = g^T x, over the m' (padded) rows
+            x8_column_major = x8.t().contiguous().t()
+            grad_w = scaled_mm(g8.t().contiguous(), x8_column_major, g_inverse, x_inverse, ctx.weight_dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = fast_linear.bias_grad(grad_rows)
+        return grad_x, grad_w, grad_b, None, None
+
+
+class FP8Scaling:
+    """What the FP8 twins add to their plain class: the recipe and, for the delayed one, its state."""
+
+    def fp8_setup(self, recipe: Recipe):
+        self.fp8_recipe = recipe
+        if recipe.delayed:
+            device = self.weight.device
+            # rows: steps, newest first; columns: INPUT, WEIGHT, GRAD
+            self.register_buffer("fp8_amax_history", torch.zeros(recipe.history_len, 3, device=device))
+            self.register_buffer("fp8_scale", torch.zeros(3, device=device))  # 0: no history yet
+            self.register_buffer("fp8_amax", torch.zeros(3, device=device), persistent=False)  # this step's
+
+    def fp8_quantize(self, t, which, record):
+        """t -> (t in FP8, the inverse of its scale): the recipe's scale for tensor `which`. Delayed: the
+        stored scale (or the current one while there is none), and with `record` this amax goes into the
+        step's running max. Every update is in place, on the device: nothing waits for the host."""
+        dtype = self.fp8_recipe.dtype(which)
+        amax = t.detach().abs().amax().float()
+        scale = scale_from_amax(amax, dtype, self.fp8_recipe.margin)
+        if self.fp8_recipe.delayed:
+            if record:
+                self.fp8_amax[which] = torch.maximum(self.fp8_amax[which], amax)
+            stored = self.fp8_scale[which]
+            scale = torch.where(stored > 0, stored, scale)
+        return quantize(t, dtype, scale), scale.reciprocal()
+
+    def fp8_linear(self, x, bias):
+        return FP8LinearFunction.apply(x, self.weight, bias, self, torch.is_grad_enabled())
+
+
+class FP8Linear(FP8Scaling, nn.Linear):
+    def forward(self, x):
+        return self.fp8_linear(x, self.bias)
+
+
+class FP8ColumnLinear(FP8Scaling, ColumnParallelLinear):
+    """The column-parallel twin: f (or, with sequence parallelism, the gather whose backward reduce-scatters),
+    the FP8 product with this rank's output features, the optional gather."""
+
+    def forward(self, x):
+        if self.sequence_parallel and self.group is not None:
+            x = gather_from_sequence_parallel_region(x, self.group)
+        else:
+            x = copy_to_tensor_parallel_region(x, self.group)
+        y = self.fp8_linear(x, self.bias)
+        return gather_from_tensor_parallel_region(y, self.group) if self.gather_output else y
+
+
+class FP8RowLinear(FP8Scaling, RowParallelLinear):
+    """The row-parallel twin: the FP8 product of this rank's input features, summed over the ranks (or
+    reduce-scattered), and the bias added once, after the sum."""
+
+    def forward(self, x):
+        if not self.input_is_parallel:
+            x = scatter_to_tensor_parallel_region(x, self.group)
+        partial = self.fp8_linear(x, None)
+        if self.sequence_parallel:
+            y = reduce_scatter_to_sequence_parallel_region(partial, self.group)
+        else:
+            y = reduce_from_tensor_parallel_region(partial, self.group)
+        return y + self.bias if self.bias is not None else y
+
+
+LAYER_LINEARS = ("self_attention.query_key_value", "self_attention.dense", "mlp.dense_h_to_4h", "mlp.dense_4h_to_h")
+TWINS = {nn.Linear: FP8Linear, fast_linear.Linear: FP8Linear, ColumnParallelLinear: FP8ColumnLinear,
+         fast_linear.ColumnLinear: FP8ColumnLinear, RowParallelLinear: FP8RowLinear}
+
+
+def apply(chunk, cfg):
+    """The four Linears of every transformer layer of a built model chunk -> their FP8 twins, with the
+    recipe of cfg's --fp8-* flags (parameters and names kept; the delayed recipe adds its buffers)."""
+    recipe = Recipe.of(cfg)
+    for layer in chunk.layers.values():
+        for name in LAYER_LINEARS:
+            module = layer.get_submodule(name)
+            module.__class__ = TWINS[type(module)]
+            module.fp8_setup(recipe)
+    return chunk
+
+
+def fp8_step(model, state=None):
+    """The delayed recipe's update, once per optimizer step, after the step's last backward: each FP8
+    linear's amaxes of the step (a running max over its micro-batches), maxed over the tensor- and
+    data-parallel ranks, become the newest row of its histories; the oldest row drops out; the next step's
+    scales come from the histories. `model`: a chunk or a list; state: the ParallelState (None: one process).
+    All the model's FP8 linears at once, in a few kernels, in place."""
+    modules = [m for chunk in as_chunks(model) for m in chunk.modules()
+               if isinstance(m, FP8Scaling) and m.fp8_recipe.delayed]
+    if not modules:
+        return
+    recipe = modules[0].fp8_recipe
+    amax = torch.stack([m.fp8_amax for m in modules])  # [linears, 3]: one collective per group for all
+    if state is not None:
+        for kind in ("tensor", "data"):
+            all_reduce(amax, state.group(kind), op=dist.ReduceOp.MAX)
+    amax = torch.where(torch.isfinite(amax), amax, torch.zeros_like(amax))  # an inf or NaN step: no entry
+    history = torch.stack([m.fp8_amax_history for m in modules])  # [linears, steps, 3]
+    history = torch.cat([amax[:, None], history[:, :-1]], dim=1)  # newest first
+    chosen = history.amax(dim=1) if recipe.algo == "max" else history[:, 0]  # [linears, 3]
+    old = torch.stack([m.fp8_scale for m in modules])
+    scale = torch.stack([scale_from_amax(chosen[:, i], recipe.dtype(i), recipe.margin, otherwise=old[:, i])
+                         for i in (INPUT, WEIGHT, GRAD)], dim=1)  # no usable amax: the scale stays
+    torch._foreach_copy_([m.fp8_amax_history for m in modules], list(history.unbind(0)))
+    torch._foreach_copy_([m.fp8_scale for m in modules], list(scale.unbind(0)))
+    torch._foreach_zero_([m.fp8_amax for m in modules])
