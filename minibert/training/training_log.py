@@ -43,6 +43,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from minibert.errors import write_line
+
 PEAK_FLOPS = 790e12  # a large bf16 matmul's FLOP/s on one GPU, as measured in docs/measuring.md, section 2
 
 
@@ -160,12 +162,12 @@ class TrainingLogger:
 
     def print(self, line):
         if self.printing:
-            print(line, flush=True)
+            write_line(line)  # one write: other ranks print to the same stdout
 
     def _emit(self, record, line, scalars):
         if not self.printing:
             return
-        print(line, flush=True)
+        write_line(line)
         if self.writer is not None:
             for tag, value in scalars.items():
                 self.writer.add_scalar(tag, value, record["iteration"])
@@ -230,11 +232,11 @@ class TrainingLogger:
     def report_memory(self, iteration):
         """Megatron's memory line after the first log interval: what the GPU holds once training runs."""
         mb = 1024 * 1024
-        print(f"[Rank {self.state.rank}] (after {iteration} iterations) memory (MB) | "
-              f"allocated: {torch.cuda.memory_allocated(self.device) / mb:.1f} | "
-              f"max allocated: {torch.cuda.max_memory_allocated(self.device) / mb:.1f} | "
-              f"reserved: {torch.cuda.memory_reserved(self.device) / mb:.1f} | "
-              f"max reserved: {torch.cuda.max_memory_reserved(self.device) / mb:.1f}", flush=True)
+        write_line(f"[Rank {self.state.rank}] (after {iteration} iterations) memory (MB) | "
+                   f"allocated: {torch.cuda.memory_allocated(self.device) / mb:.1f} | "
+                   f"max allocated: {torch.cuda.max_memory_allocated(self.device) / mb:.1f} | "
+                   f"reserved: {torch.cuda.memory_reserved(self.device) / mb:.1f} | "
+                   f"max reserved: {torch.cuda.max_memory_reserved(self.device) / mb:.1f}")
 
     def log_evaluation(self, iteration, split_name, losses):
         """`validation loss at iteration 50 | lm loss value: x | lm loss PPL: y | ... | lm acc value: z |`;
