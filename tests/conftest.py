@@ -91,7 +91,7 @@ try:
 except ImportError:
     HAS_TRITON = False
 NEEDS_TRITON = re.compile(r"^(from minibert\.kernels|import minibert\.kernels|from minibert import kernels|"
-                          r"(from|import) minibert\.fast\.(layer_norm|cross_entropy|adamw)|from minibert\.fast import (layer_norm|cross_entropy|adamw)|"
+                          r"(from|import) minibert\.fast\.(layer_norm|cross_entropy|adamw|fp8_cast)|from minibert\.fast import [\w, ]*\b(layer_norm|cross_entropy|adamw|fp8_cast)|"
                           r"import triton|from triton)\b", re.M)
 LEFT_OUT = []
 

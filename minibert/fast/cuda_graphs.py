@@ -22,7 +22,7 @@ replay needs:
   offset, so F.dropout drops other entries), and our Triton kernels, whose seed is otherwise a Python
   number, take a seed drawn on the device while a graph is captured (kernels/dropout.py: draw_seed);
 - every Python number to stay what it was: the fp16 loss scale is one, so when it changes the graphs
-  are captured again.
+  are captured again (and so are FP8's, once, after the first step: minibert/fast/fp8.py).
 
 What is captured, per micro-batch: embedding, layers, heads, loss, its backward, and the gradient
 accumulation into the fp32 main grads (fixed buffers outside the graph, so replays add up in them as
@@ -57,6 +57,7 @@ import weakref
 
 import torch
 
+from minibert.fast import fp8
 from minibert.training.training_log import COUNTS
 
 BATCH_INPUTS = ("text", "types", "labels", "loss_mask", "is_random", "is_pad")  # [b, s] and [b] tensors
@@ -86,7 +87,7 @@ class CapturedMicroBatch:
     the graph and its input and output tensors, not the model (so a model's graphs go with the model)."""
 
     def __init__(self, forward_step, model, optimizer, num_micro_batches, batch, pool, stream):
-        self.loss_scale = optimizer.loss_scale
+        self.host_numbers = host_numbers(model, optimizer)
         self.static = {k: t.clone() for k, t in graph_inputs(batch).items()}
         packing = batch["packing"]
         if packing is not None:
@@ -118,6 +119,12 @@ class CapturedMicroBatch:
         self.graph.replay()
         # the next replay overwrites the outputs (and may reuse their memory): copy them now
         return replayed_metrics(self.losses.clone(), self.counts.clone(), self.has_sop, batch)
+
+
+def host_numbers(model, optimizer):
+    """What the host decided that a graph records and that can change during a run: the fp16 loss scale,
+    and whether FP8 casts still take their scale from the tensor (before the first step: minibert/fast/fp8.py)."""
+    return optimizer.loss_scale, fp8.any_fresh(model)
 
 
 def replayed_metrics(losses, counts, has_sop, batch):
@@ -185,8 +192,9 @@ def forward_backward_captured(forward_step, batches, model, optimizer):
     graphs = _graphs.get(model)
     if graphs is None:
         graphs = _graphs[model] = ModelGraphs()
-    if any(g.loss_scale != optimizer.loss_scale for g in graphs.by_shape.values()):
-        _graphs[model] = graphs = ModelGraphs()  # fp16: the scale changed, and every graph holds the old one
+    numbers = host_numbers(model, optimizer)
+    if any(g.host_numbers != numbers for g in graphs.by_shape.values()):
+        _graphs[model] = graphs = ModelGraphs()  # every graph holds the old numbers: capture again
     results = []
     for batch in batches:
         inputs = graph_inputs(batch)  # once per micro-batch: the key and the copies both read it

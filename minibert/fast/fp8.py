@@ -144,12 +144,6 @@ def quantize(t, dtype, scale):
     return (t.float() * scale).clamp_(-limit, limit).to(dtype)
 
 
-def pad_rows(t):
-    """[m, k] -> [m', k]: zero rows up to the next multiple of 16 (the weight gradient's inner dimension)."""
-    missing = -t.shape[0] % MULTIPLE
-    return F.pad(t, (0, 0, 0, missing)) if missing else t
-
-
 def scaled_mm(a, b, a_inverse, b_inverse, out_dtype, bias=None):
     """a [m, k] @ b [k, n] of FP8 operands, each times its inverse scale, accumulated in fp32 -> [m, n] in
     out_dtype (+ bias, in the epilogue where the GPU allows it: a bias of the output's 16-bit dtype).
@@ -176,27 +170,26 @@ class FP8LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, module, record):
         rows = x.reshape(-1, x.shape[-1])  # [m, k]
-        m = rows.shape[0]
-        x8, x_inverse = module.fp8_quantize(pad_rows(rows), INPUT, record)  # [m', k]: padded for the wgrad
-        w8, w_inverse = module.fp8_quantize(weight, WEIGHT, record)  # [n, k]
+        m, padded = rows.shape[0], rows.shape[0] + (-rows.shape[0] % MULTIPLE)  # m': the wgrad's 16s
+        wgrad = record and weight.requires_grad  # (grad mode is off inside forward: record says it was on)
+        x8, x8_t, x_inverse = module.fp8_quantize(rows, INPUT, record, padded, transpose=wgrad)  # [m', k], [k, m']
+        w8, w8_t, w_inverse = module.fp8_weight(weight, record)  # [n, k], [k, n]
         y = scaled_mm(x8[:m], w8.t(), x_inverse, w_inverse, x.dtype, bias)  # [m, n]
-        ctx.save_for_backward(x8, w8, x_inverse, w_inverse)  # the FP8 copies: 1 byte an element
+        ctx.save_for_backward(x8_t, w8_t, x_inverse, w_inverse)  # FP8 copies: 1 byte an element
         ctx.module, ctx.has_bias, ctx.x_shape, ctx.weight_dtype = module, bias is not None, x.shape, weight.dtype
         return y.view(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
     def backward(ctx, grad):
-        x8, w8, x_inverse, w_inverse = ctx.saved_tensors
+        x8_t, w8_t, x_inverse, w_inverse = ctx.saved_tensors
         grad_rows = grad.reshape(-1, grad.shape[-1])  # [m, n]
         m = grad_rows.shape[0]
-        g8, g_inverse = ctx.module.fp8_quantize(pad_rows(grad_rows), GRAD, True)  # [m', n]
+        g8, g8_t, g_inverse = ctx.module.fp8_quantize(grad_rows, GRAD, True, m + (-m % MULTIPLE), transpose=True)
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:  # dx = g W: W [n, k] column-major is the row-major [k, n] transposed
-            w8_transposed = w8.t().contiguous()
-            grad_x = scaled_mm(g8[:m], w8_transposed.t(), g_inverse, w_inverse, grad.dtype).view(ctx.x_shape)
-        if ctx.needs_input_grad[1]:  # dW = g^T x, over the m' (padded) rows
-            x8_column_major = x8.t().contiguous().t()
-            grad_w = scaled_mm(g8.t().contiguous(), x8_column_major, g_inverse, x_inverse, ctx.weight_dtype)
+            grad_x = scaled_mm(g8[:m], w8_t.t(), g_inverse, w_inverse, grad.dtype).view(ctx.x_shape)
+        if ctx.needs_input_grad[1]:  # dW = g^T x, over the m' (padded) rows: x [m', k] column-major is x^T
+            grad_w = scaled_mm(g8_t, x8_t.t(), g_inverse, x_inverse, ctx.weight_dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = fast_linear.bias_grad(grad_rows)
         return grad_x, grad_w, grad_b, None, None
@@ -204,9 +197,13 @@ class FP8LinearFunction(torch.autograd.Function):
 
 class FP8Scaling:
     """What the FP8 twins add to their plain class: the recipe and, for the delayed one, its state."""
+    fp8_plain_casts = False  # True: cast with PyTorch ops even on a GPU (the casts' plain twin; benches)
 
     def fp8_setup(self, recipe: Recipe):
         self.fp8_recipe = recipe
+        self.fp8_steps = 0  # optimizer steps seen (fp8_step): the weight's FP8 copy is made once per step
+        self.fp8_weight_copy = None  # (weight version, step) -> w8, w8^T, inverse scale
+        self.fp8_fresh = True  # no fp8_step yet: the stored scales may be missing (0)
         if recipe.delayed:
             device = self.weight.device
             # rows: steps, newest first; columns: INPUT, WEIGHT, GRAD
@@ -214,19 +211,47 @@ class FP8Scaling:
             self.register_buffer("fp8_scale", torch.zeros(3, device=device))  # 0: no history yet
             self.register_buffer("fp8_amax", torch.zeros(3, device=device), persistent=False)  # this step's
 
-    def fp8_quantize(self, t, which, record):
-        """t -> (t in FP8, the inverse of its scale): the recipe's scale for tensor `which`. Delayed: the
-        stored scale (or the current one while there is none), and with `record` this amax goes into the
-        step's running max. Every update is in place, on the device: nothing waits for the host."""
-        dtype = self.fp8_recipe.dtype(which)
-        amax = t.detach().abs().amax().float()
-        scale = scale_from_amax(amax, dtype, self.fp8_recipe.margin)
-        if self.fp8_recipe.delayed:
-            if record:
-                self.fp8_amax[which] = torch.maximum(self.fp8_amax[which], amax)
-            stored = self.fp8_scale[which]
-            scale = torch.where(stored > 0, stored, scale)
-        return quantize(t, dtype, scale), scale.reciprocal()
+    def fp8_quantize(self, t, which, record, rows=None, transpose=False):
+        """t [m, k] -> (t in FP8 [rows, k] (zero rows added past m), its transpose [k, rows] or None, the
+        inverse of its scale): the recipe's scale for tensor `which`. Delayed: the stored scale, and with
+        `record` this amax goes into the step's running max, in the cast's own pass; before the first
+        fp8_step, a stored scale may be missing, so the tensor's current amax stands in (one more pass).
+        Every update is in place, on the device: nothing waits for the host."""
+        dtype, recipe = self.fp8_recipe.dtype(which), self.fp8_recipe
+        slot = slice(which, which + 1)
+        if recipe.delayed and not self.fp8_fresh:
+            scale, amax = self.fp8_scale[slot], self.fp8_amax[slot] if record else None
+        else:
+            current = t.detach().abs().amax().float().reshape(1)
+            scale, amax = scale_from_amax(current, dtype, recipe.margin), None
+            if recipe.delayed:
+                if record:
+                    torch.maximum(self.fp8_amax[slot], current, out=self.fp8_amax[slot])
+                scale = torch.where(self.fp8_scale[slot] > 0, self.fp8_scale[slot], scale)
+        rows = t.shape[0] if rows is None else rows
+        if t.is_cuda and not self.fp8_plain_casts:  # one pass (minibert/fast/fp8_cast.py)
+            from minibert.fast import fp8_cast  # Triton is imported where it runs
+            t8, t8_t = fp8_cast.cast(t.detach(), dtype, scale, FP8_MAX[dtype], amax, rows, transpose)
+        else:  # the plain twin: a PyTorch op per step
+            if amax is not None:
+                torch.maximum(amax, t.detach().abs().amax().float(), out=amax)
+            t8 = quantize(F.pad(t.detach(), (0, 0, 0, rows - t.shape[0])), dtype, scale)
+            t8_t = t8.t().contiguous() if transpose else None
+        return t8, t8_t, scale.reciprocal()
+
+    def fp8_weight(self, weight, record):
+        """The weight's FP8 copy and, in training (record), its transpose (dgrad's operand) with its inverse
+        scale, cast once per
+        optimizer step: a step's later micro-batches reuse the first one's (the weight and its scale change
+        only between steps). Not while a CUDA graph is recorded: a replay must cast the weight of its step."""
+        capturing = weight.is_cuda and torch.cuda.is_current_stream_capturing()
+        key = (weight._version, self.fp8_steps)
+        if not capturing and self.fp8_weight_copy is not None and self.fp8_weight_copy[0] == key:
+            return self.fp8_weight_copy[1]
+        copy = self.fp8_quantize(weight, WEIGHT, record, transpose=record)
+        if not capturing and record:
+            self.fp8_weight_copy = (key, copy)
+        return copy
 
     def fp8_linear(self, x, bias):
         return FP8LinearFunction.apply(x, self.weight, bias, self, torch.is_grad_enabled())
@@ -282,14 +307,22 @@ def apply(chunk, cfg):
     return chunk
 
 
+def any_fresh(model) -> bool:
+    """Whether an FP8 linear of `model` (a chunk or a list) has not seen an fp8_step yet."""
+    return any(getattr(m, "fp8_fresh", False) for chunk in as_chunks(model) for m in chunk.modules())
+
+
 def fp8_step(model, state=None):
     """The delayed recipe's update, once per optimizer step, after the step's last backward: each FP8
     linear's amaxes of the step (a running max over its micro-batches), maxed over the tensor- and
     data-parallel ranks, become the newest row of its histories; the oldest row drops out; the next step's
     scales come from the histories. `model`: a chunk or a list; state: the ParallelState (None: one process).
     All the model's FP8 linears at once, in a few kernels, in place."""
-    modules = [m for chunk in as_chunks(model) for m in chunk.modules()
-               if isinstance(m, FP8Scaling) and m.fp8_recipe.delayed]
+    every = [m for chunk in as_chunks(model) for m in chunk.modules() if isinstance(m, FP8Scaling)]
+    for m in every:
+        m.fp8_steps += 1  # the weights change next: their FP8 copies are made again
+        m.fp8_fresh = False
+    modules = [m for m in every if m.fp8_recipe.delayed]
     if not modules:
         return
     recipe = modules[0].fp8_recipe
@@ -302,6 +335,7 @@ def fp8_step(model, state=None):
     history = torch.cat([amax[:, None], history[:, :-1]], dim=1)  # newest first
     chosen = history.amax(dim=1) if recipe.algo == "max" else history[:, 0]  # [linears, 3]
     old = torch.stack([m.fp8_scale for m in modules])
+    old = torch.where(old > 0, old, torch.ones_like(old))  # a tensor with no amax yet: scale 1, as TE starts
     scale = torch.stack([scale_from_amax(chosen[:, i], recipe.dtype(i), recipe.margin, otherwise=old[:, i])
                          for i in (INPUT, WEIGHT, GRAD)], dim=1)  # no usable amax: the scale stays
     torch._foreach_copy_([m.fp8_amax_history for m in modules], list(history.unbind(0)))
