@@ -288,7 +288,7 @@ def draw_residual(path):
                 x, next_layer = x + 0.3, True
                 continue
             matmul = step.startswith("@")
-            width = 1.7 if matmul else 1.25
+            width = 1.7 if matmul else max(1.25, 0.165 * max(len(line) for line in step.split("\n")))
             color = LIGHT if matmul else COLORS["backward"]
             memory += 0 if matmul or next_layer else 1
             ax.add_patch(Rectangle((x, y - 0.36), width, 0.72, facecolor=color, edgecolor="black", lw=0.6))
