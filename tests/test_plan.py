@@ -3,8 +3,9 @@
 - parameters: the counts equal the models minibert really builds: BertModel(cfg) on the meta device for
   the total, and build.build_model (tensor parallelism applied, per pipeline stage) for each rank;
 - activations: the per-layer formula equals the bytes autograd really saves for the backward (counted
-  with saved_tensors_hooks on the CPU, local and flash attention, fp32 and bf16, dropout on and off);
-- micro-batches in flight, FLOPs and the bubble agree with schedules.py and training_log.py;
+  with saved_tensors_hooks on the CPU, local and flash attention, fp32 and bf16, dropout on and off, FP8);
+- micro-batches in flight, FLOPs and the bubble agree with schedules.py and training_log.py; FP8 shortens
+  the step by what its FLOP share and rate say;
 - the checks: the planner refuses exactly the layouts minibert.validate.validate refuses, and lists every
   layout problem where validate stops at the first; the guide's 340M script is refused with its reasons."""
 import dataclasses
@@ -16,6 +17,7 @@ import torch
 
 from minibert.config import Config
 from minibert.errors import UsageError
+from minibert.fast import fp8
 from minibert.model.bert import BertModel, TransformerLayer
 from minibert.model.loss import pretraining_loss
 from minibert.parallel import layers as tp_layers
@@ -101,19 +103,25 @@ def saved_bytes(run, excluded):
     return sum(n for ptr, n in saved.items() if ptr not in skip)
 
 
-@pytest.mark.parametrize("backend, dtype, dropout", [("local", torch.bfloat16, 0.1), ("local", torch.bfloat16, 0.0),
-                                                     ("local", torch.float32, 0.1), ("flash", torch.bfloat16, 0.1),
-                                                     ("flash", torch.float32, 0.0)])
-def test_layer_activations_equal_what_autograd_saves(backend, dtype, dropout):
-    cfg = small(bf16=dtype == torch.bfloat16, hidden_dropout=dropout, attention_dropout=dropout)
+@pytest.mark.parametrize("backend, dtype, dropout, fp8_format", [
+    ("local", torch.bfloat16, 0.1, None), ("local", torch.bfloat16, 0.0, None), ("local", torch.float32, 0.1, None),
+    ("flash", torch.bfloat16, 0.1, None), ("flash", torch.float32, 0.0, None),
+    ("local", torch.bfloat16, 0.1, "hybrid"), ("flash", torch.bfloat16, 0.0, "e4m3")])
+def test_layer_activations_equal_what_autograd_saves(backend, dtype, dropout, fp8_format):
+    cfg = small(bf16=dtype == torch.bfloat16, hidden_dropout=dropout, attention_dropout=dropout, fp8_format=fp8_format)
     torch.manual_seed(0)
     layer = TransformerLayer(cfg).to(dtype)
+    if fp8_format:  # the four Linears -> their FP8 twins, as apply_levers does it to a model chunk
+        fp8.apply(types.SimpleNamespace(layers={"0": layer}), cfg)
     x = torch.randn(cfg.micro_batch_size, cfg.seq_length, cfg.hidden_size, dtype=dtype, requires_grad=True)
     padding = torch.zeros(cfg.micro_batch_size, cfg.seq_length, dtype=torch.bool)
     padding[0, -5:] = True
     got = saved_bytes(lambda: layer(x, padding, backend), list(layer.parameters()) + [padding])
     x_bytes = 4 if dtype == torch.float32 else 2  # the CPU keeps dropout masks and LayerNorm stats in this dtype
     expected = pm.layer_activations(cfg, backend, mask_bytes=x_bytes, stats_bytes=x_bytes).total
+    if fp8_format:  # the backward also holds each Linear's FP8 weight copy and two fp32 inverse scales; the Linear
+        # keeps the copy for the whole step, so the planner counts it once per GPU (fp8_weight_copies)
+        expected += 4 * cfg.hidden_size ** 2 + 2 * cfg.hidden_size * cfg.ffn_size + 4 * 2 * 4
     assert got == expected
 
 
@@ -184,6 +192,28 @@ def test_the_bubble_stretches_the_step():
     assert est["step"] > est["pipeline"]  # + the optimizer, the tied-embedding all-reduce
 
 
+@pytest.mark.parametrize("recipe, cast_bytes", [("delayed", 4), ("tensorwise", 6)])
+def test_fp8_shortens_the_step_by_its_flop_share_and_rate(recipe, cast_bytes):
+    """The 4B on one GPU: the layers' Linears (6 b s (4h^2 + 2hf) per layer) at the FP8 rate, the rest at
+    bf16's, plus the casts' HBM bytes: 4 per element cast (6 with tensorwise's amax pass); per micro-batch
+    the Linears' inputs and output gradients, per step their weights."""
+    hw = {name: default for name, (default, _) in plan_time.HARDWARE.items()}
+    bf16 = validate(Config(preset="4b", micro_batch_size=4, global_batch_size=32, train_iters=1, lr=1e-4, bf16=True),
+                    device_type="cuda", warn=None)
+    with_fp8 = dataclasses.replace(bf16, fp8_format="hybrid", fp8_recipe=recipe)
+    a, b = (plan_time.estimate(c, hw, pm.stages(c), gpus_per_node=8) for c in (bf16, with_fp8))
+    layers, m, tokens, h, f = bf16.num_layers, bf16.num_micro_batches, 4 * 512, 2560, 10240
+    linears = layers * 6 * tokens * (4 * h * h + 2 * h * f)
+    share = linears / (layers * plan_time.layer_flops(bf16) + plan_time.head_flops(bf16))
+    assert 0.9 < share < 1
+    assert b["compute"] / a["compute"] == pytest.approx(1 - share + share * hw["peak_tflops"] / hw["fp8_peak_tflops"])
+    per_micro_batch = tokens * (3 * h + f) + tokens * (5 * h + f)  # the Linears' inputs, their outputs' gradients
+    elements = m * per_micro_batch + 4 * h * h + 2 * h * f  # + the weights, once
+    assert b["fp8_casts"] == pytest.approx(layers * cast_bytes * elements / (hw["hbm_tb_s"] * 1e12))
+    assert b["step"] == pytest.approx(a["step"] - a["compute"] + b["compute"] + b["fp8_casts"])  # nothing else moves
+    assert b["step"] < a["step"]
+
+
 # ---------------------------------------------------------------- the checks and the CLI
 def run_plan(capsys, *argv):
     with pytest.raises(SystemExit) as exit_info:
@@ -249,6 +279,8 @@ def test_a_plan_needs_no_training_flags_and_gives_the_days_when_told_the_iterati
 @pytest.mark.parametrize("argv, message", [(["--mfu", "1.5"], "--mfu must be at most 1"),
                                            (["--ib-gb-s", "0"], "--ib-gb-s 0 must be positive"),
                                            (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+                                           (["--fp8-peak-tflops", "0"], "--fp8-peak-tflops 0 must be positive"),
+                                           (["--fp8-format", "hybrid"], "inside a bf16 model: add --bf16"),
                                            ])
 def test_bad_input_is_one_line_and_exit_2(capsys, argv, message):
     code, out, err = run_plan(capsys, "--preset", "340m", "--micro-batch-size", 4, "--train-iters", 10, "--lr", 1e-4,
@@ -272,6 +304,28 @@ def test_the_planner_refuses_exactly_what_validate_refuses(tmp_path):
         except UsageError:
             accepted = False
         assert accepted == (not problems), (tp, pp, world, layers, lps, global_batch, sp, problems)
+
+
+def test_the_fp8_rules_are_listed_and_are_validates(capsys):
+    """--fp8-format without --bf16 and with sizes the FP8 product cannot take: every rule one line, in
+    validate's words; and over TP x bf16 x sizes the planner refuses exactly what validate refuses."""
+    code, out, err = run_plan(capsys, "--preset", "340m", "--micro-batch-size", 4, "--fp8-format", "hybrid",
+                              "--hidden-size", 1040, "--ffn-hidden-size", 4100, "--num-attention-heads", 8,
+                              "--tensor-model-parallel-size", 2, "--nproc-per-node", 2)
+    lines = err.strip().split("\n")
+    assert code == 2 and out == "" and len(lines) == 3, err
+    assert "--fp8-format hybrid runs the layers' matrix products in FP8 inside a bf16 model: add --bf16" in lines[0]
+    assert "--fp8-format: --hidden-size 1040 must be a multiple of 16 x --tensor-model-parallel-size 2 = 32" in lines[1]
+    assert "--fp8-format: --ffn-hidden-size 4100 must be a multiple of 16 x --tensor-model-parallel-size 2" in lines[2]
+    for tp, bf16, hidden in itertools.product([1, 2, 4], [False, True], [64, 96]):
+        cfg = small(tensor_model_parallel_size=tp, bf16=bf16, hidden_size=hidden, fp8_format="e4m3")
+        problems = plan.layout_problems(cfg, tp) + plan.other_problem(cfg)
+        try:
+            validate(cfg, world_size=tp, device_type="cuda", warn=None)
+            accepted = True
+        except UsageError:
+            accepted = False
+        assert accepted == (not problems), (tp, bf16, hidden, problems)
 
 
 def test_full_recompute_follows_the_recompute_method():

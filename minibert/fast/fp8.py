@@ -30,8 +30,8 @@ Where the scale comes from, the two recipes of --fp8-recipe:
 
     tensorwise (current scaling)   amax of this tensor, now: one extra pass over it before the cast
     delayed                        amax of the same tensor in earlier steps: the cast needs no pass of
-                                   its own to find the amax, which is recorded while casting (a fused
-                                   kernel's gain; the plain ops here still take the extra pass)
+                                   its own to find the amax, which is recorded while casting
+                                   (minibert/fast/fp8_cast.py: one pass over the tensor)
 
     step:                 t-2      t-1       t        (delayed)
     amax history:        [a_t-2]  [a_t-1]            <- each step's largest amax, reduced over the ranks
@@ -77,10 +77,16 @@ k and n are hidden and FFN sizes (over TP), which validate.py requires in 16s; t
 whatever a packed micro-batch holds, so the weight gradient's inner dimension is padded. The bias
 gradient is the row sum of the bf16 gradient (fast/linear.py's GEMV), not of its FP8 copy.
 
-The plain twin is the bf16 Linear that runs without --fp8-format. What is not here yet: a fused cast
-kernel (one pass: amax + scale + cast + transpose), the weight's FP8 copy kept across a step's micro-batches,
-and sequence parallelism's gather in FP8 (here the bf16 input is gathered and its FP8 copy of the whole
-sequence is kept for the weight gradient)."""
+The casts. On a GPU each cast is one pass (minibert/fast/fp8_cast.py: read the 16-bit tensor once; write
+its FP8 copy, the transposed copy that the backward's product needs, and the amax); the same casts written
+as PyTorch ops are its plain twin (fp8_plain_casts), and the CPU path. The weight's copies are made once per
+optimizer step and reused by the step's later micro-batches. Only the transposed copies of the input and
+the weight are kept for the backward.
+
+The plain twin of the whole is the bf16 Linear that runs without --fp8-format. What is not here: the cast
+fused into the kernel that produces the activation (the LayerNorm before QKV and fc1, the GeLU before fc2),
+as Transformer Engine does, and sequence parallelism's gather in FP8 (here the bf16 input is gathered and
+its FP8 copy of the whole sequence is kept for the weight gradient)."""
 from dataclasses import dataclass
 
 import torch

@@ -10,7 +10,7 @@ problem; the planner first lists *every* broken layout rule, one line each, then
     world = TP x PP x DP               heads, hidden and FFN divisible by TP    seq <= max positions
     layers split over the PP stages (or their --decoder-first/last counts)    hidden divisible by heads
     global batch divisible by micro x DP        interleaved: micro-batches per step a multiple of PP
-    sequence parallel: seq divisible by TP
+    sequence parallel: seq divisible by TP      FP8: --bf16, hidden and FFN per TP rank multiples of 16
 
 plus the first problem of any other kind (a missing flag, a bad LR schedule), which validate finds on a
 copy of the config whose layout has been made valid.
@@ -18,7 +18,8 @@ copy of the config whose layout has been made valid.
 For a layout that runs it prints the exact parameter count (from the shapes minibert's BertModel has),
 memory per GPU (plan_memory.py: weights, fp32 grads, optimizer with and without ZeRO-1, activations
 with and without recompute, for the most loaded pipeline stage), the pipeline bubble, the bytes each
-kind of parallelism moves per step, and a step time from a stated hardware model (plan_time.py).
+kind of parallelism moves per step, and a step time from a stated hardware model (plan_time.py; with
+--fp8-format, the layers' Linears at an FP8 rate).
 
 What production does: Megatron checks layouts in megatron/training/arguments.py (validate_args, one
 assert at a time) and estimates memory in theoretical_memory_usage.py; it ships no step-time model."""
@@ -79,6 +80,7 @@ def layout_problems(cfg, world) -> list:
     if cfg.sequence_parallel and tp > 1 and cfg.seq_length % tp:
         problems.append(f"--sequence-parallel: --seq-length {cfg.seq_length} must be divisible by "
                         f"--tensor-model-parallel-size {tp}")
+    problems += fp8_problems(cfg)
     pipeline = pipeline_problems(cfg)
     problems += pipeline
     if dp is not None:
@@ -91,6 +93,22 @@ def layout_problems(cfg, world) -> list:
             problems.append(f"the interleaved schedule needs the micro-batches per step ({global_batch // per_step}"
                             f") to be a multiple of --pipeline-model-parallel-size {pp}: change "
                             "--global-batch-size or --micro-batch-size")
+    return problems
+
+
+def fp8_problems(cfg) -> list:
+    """validate.py's FP8 rules, in its words (all but its GPU check: the planner's GPU is not the run's)."""
+    if cfg.fp8_format is None:
+        return []
+    tp, problems = cfg.tensor_model_parallel_size, []
+    if not cfg.bf16:
+        problems.append(f"--fp8-format {cfg.fp8_format} runs the layers' matrix products in FP8 inside a bf16 "
+                        "model: add --bf16")
+    for flag, size in (("--hidden-size", cfg.hidden_size), ("--ffn-hidden-size", cfg.ffn_size)):
+        if size % (16 * tp):
+            problems.append(f"--fp8-format: {flag} {size} must be a multiple of 16 x --tensor-model-parallel-size "
+                            f"{tp} = {16 * tp} (an FP8 matrix product takes its dimensions in multiples of 16, "
+                            "on each tensor-parallel rank)")
     return problems
 
 
@@ -119,7 +137,7 @@ def other_problem(cfg) -> list:
     neutral = dataclasses.replace(cfg, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
                                   num_layers_per_virtual_pipeline_stage=None, decoder_first_pipeline_num_layers=None,
                                   decoder_last_pipeline_num_layers=None, sequence_parallel=False,
-                                  global_batch_size=None)
+                                  global_batch_size=None, fp8_format=None)
     if neutral.hidden_size and neutral.num_attention_heads and neutral.hidden_size % neutral.num_attention_heads:
         neutral.num_attention_heads = 1
     if neutral.seq_length and neutral.seq_length > neutral.max_positions:
@@ -170,7 +188,9 @@ def header(cfg, world, nnodes, gpus_per_node, precision, backend) -> list:
              + (", sequence parallel" if cfg.sequence_parallel else "")
              + (f", interleaved with {vp} model chunks per stage" if vp > 1 else ""),
              f"batch: global {cfg.global_batch_size} = micro {cfg.micro_batch_size} x DP {dp} x "
-             f"{cfg.num_micro_batches} micro-batches per step; {precision}; attention {backend} "
+             f"{cfg.num_micro_batches} micro-batches per step; {precision}"
+             + (f" + FP8 ({cfg.fp8_format}, {cfg.fp8_recipe} scaling)" if cfg.fp8_format else "")
+             + f"; attention {backend} "
              f"({'keeps no s x s matrix' if backend == 'flash' else 'keeps the s x s scores'})"]
     for kind, size, ranks in (("TP", tp, range(tp)), ("DP", dp, [tp * d for d in range(dp)])):
         if size > 1 and spans_nodes(ranks, gpus_per_node):
@@ -196,7 +216,9 @@ def memory_section(cfg, stage, tables, backend, precision, hw) -> list:
                     [f"optimizer ({'fp32 master + ' if low else ''}Adam m, v)", 12 if low else 8,
                      gib(full["optimizer"])],
                     [f"optimizer with ZeRO-1 (/ DP {dp})", f"{(12 if low else 8) / dp:.3g}",
-                     gib(pm.state_bytes(stage.parameters, cfg, True)["optimizer"])]]),
+                     gib(pm.state_bytes(stage.parameters, cfg, True)["optimizer"])]]
+                   + ([["FP8 copies of the layers' Linear weights, w8 and w8^T", 2,
+                        gib(pm.fp8_weight_copies(cfg, stage))]] if cfg.fp8_format else [])),
              f"activations of one layer and one micro-batch [b {b}, s {s}, h {h}], {heads} heads per GPU:",
              table([["part", "bytes", "MiB"],
                     ["LayerNorm inputs, dropout masks" + (" (/ TP: SP)" if cfg.sequence_parallel else ""),
@@ -244,13 +266,20 @@ def time_section(cfg, hw, est, world, days=True) -> list:
                      ms(est["embedding_time"]), ms(est["embedding_time"])]]),
              f"step time: {hw['peak_tflops']:g} TFLOP/s x MFU {hw['mfu']:g}" + ("" if cfg.fp16 or cfg.bf16 else
              " / 2 (fp32: TF32)") + f" = {est['flops_per_second'] / 1e12:.0f} TFLOP/s; NVLink "
-             f"{hw['nvlink_gb_s']:g} GB/s, network {hw['ib_gb_s']:g} GB/s per GPU, HBM {hw['hbm_tb_s']:g} TB/s",
-             table([[f"compute, slowest stage ({est['stage'].rank})", ms(est["compute"])],
-                    ["+ TP and PP communication", ms(est["tp_time"] + est["pp_time"])],
-                    [f"x (1 + bubble {est['bubble']:.3f})", ms(est["pipeline"])],
-                    ["+ exposed DP and embedding reduce", ms(est["dp_exposed"] + est["embedding_time"])],
-                    ["+ optimizer step (HBM-bound)", ms(est["optimizer"])],
-                    ["= step", ms(est["step"])]])]
+             f"{hw['nvlink_gb_s']:g} GB/s, network {hw['ib_gb_s']:g} GB/s per GPU, HBM {hw['hbm_tb_s']:g} TB/s"]
+    if cfg.fp8_format:
+        lines.append(f"FP8 ({cfg.fp8_format}): each layer's QKV, attention output, fc1 and fc2 products, forward and "
+                     f"both backward ({100 * est['fp8_share']:.0f}% of the stage's FLOPs), at "
+                     f"{hw['fp8_peak_tflops']:g} TFLOP/s x MFU {hw['mfu']:g} = "
+                     f"{est['fp8_flops_per_second'] / 1e12:.0f} TFLOP/s; the attention core and the LM head at the "
+                     "bf16 rate; the casts at the HBM bandwidth")
+    lines += [table([[f"compute, slowest stage ({est['stage'].rank})", ms(est["compute"])]]
+                    + ([["+ FP8 casts (HBM-bound, a lower bound)", ms(est["fp8_casts"])]] if cfg.fp8_format else [])
+                    + [["+ TP and PP communication", ms(est["tp_time"] + est["pp_time"])],
+                       [f"x (1 + bubble {est['bubble']:.3f})", ms(est["pipeline"])],
+                       ["+ exposed DP and embedding reduce", ms(est["dp_exposed"] + est["embedding_time"])],
+                       ["+ optimizer step (HBM-bound)", ms(est["optimizer"])],
+                       ["= step", ms(est["step"])]])]
     tflops = est["model_flops"] / world / est["step"]
     return lines + [f"expected log line: elapsed time per iteration (ms): {est['step'] * 1e3:.1f} | throughput per GPU "
                     f"(TFLOP/s/GPU): {tflops / 1e12:.1f} | tokens per second: "

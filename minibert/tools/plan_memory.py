@@ -38,6 +38,13 @@ In bf16 with f = 4h that is 34bsh + 4abs (flash) or 34bsh + 7abs^2 (local): Mega
 parallelism) and rebuilds one layer's activations at a time in the backward. The planner assumes the
 recompute another part of the course adds follows these two rules (Megatron's).
 
+FP8 (--fp8-format, minibert/fast/fp8.py): each of the four Linears keeps, for its weight gradient, a
+1-byte FP8 copy of its input instead of the 16-bit input. The QKV and fc1 inputs' copies cover the whole
+sequence (sequence parallelism gathers before the cast), the attention output projection's and fc2's
+their TP shard; the flash kernel still keeps its own output. With f = 4h that is 29bsh (flash) or 27bsh
+(local) in place of 34bsh. Beside the activations, each FP8 Linear keeps its weight's FP8 copy and
+its transpose for the whole step: 2 bytes per weight of the four Linears (fp8_weight_copies).
+
 Under 1F1B, pipeline stage r holds min(p - r, m) micro-batches' activations at once (the first stage the
 most, p); the interleaved schedule counts model chunks (schedules.schedule gives the exact peak).
 
@@ -174,7 +181,20 @@ def layer_activations(cfg, backend, recompute=None, mask_bytes=1, stats_bytes=4)
         else:
             kept = softmax + (0 if softmax == e else e)  # the probabilities cast to V's dtype for P V
         core = b * heads * s * s * kept
+    if cfg.fp8_format is not None:  # each of the 4 Linears keeps an FP8 copy (1 byte) of its input, not the input
+        outside += 2 * tokens * h * (1 - e / sp)  # QKV, fc1: the copy covers the whole (gathered) sequence
+        inside += tokens * (h + f) * (1 - e) / t  # attention output projection, fc2
+        inside += tokens * h * e / t if backend == "flash" else 0  # the flash kernel keeps its output itself
     return LayerActivations(outside, inside, core, stats)
+
+
+def fp8_weight_copies(cfg, stage) -> float:
+    """--fp8-format: bytes of the FP8 copies of a stage's layer weights (one GPU), w8 and its transpose,
+    which each FP8 Linear keeps for the micro-batches of a step."""
+    if cfg.fp8_format is None:
+        return 0
+    h, f = cfg.hidden_size, cfg.ffn_size
+    return 2 * stage.layers * (4 * h * h + 2 * h * f) / cfg.tensor_model_parallel_size
 
 
 def embedding_activations(cfg, mask_bytes=1, stats_bytes=4) -> float:
@@ -233,5 +253,6 @@ def memory_table(cfg, stage, backend) -> dict:
     for recompute in (None, "selective", "full"):
         acts = stage_activations(cfg, stage, backend, recompute)
         for zero1 in (False, True):
-            table[recompute, zero1] = sum(state_bytes(stage.parameters, cfg, zero1).values()) + acts
+            table[recompute, zero1] = sum(state_bytes(stage.parameters, cfg, zero1).values()) + acts + \
+                fp8_weight_copies(cfg, stage)
     return table
