@@ -106,6 +106,23 @@ def numerics(args, data, out):
     out.write("\n".join(lines) + "\n")
 
 
+def run():
+    """bench/run.py's rows: BERT-large steps (seq 512, micro-batch 32, CUDA graphs), bf16 against FP8 with
+    each recipe, 20 iterations each."""
+    from bench.train_bench_data import prepare_corpus
+    work_dir = os.path.join(ROOT, "runs", "fp8-bench")
+    os.makedirs(work_dir, exist_ok=True)
+    data, _ = prepare_corpus("long", None, work_dir, tiny=False)
+    flags = shape(24, 1024, 16, 512, 32) + ["--cuda-graph-impl", "local"]
+    ms = {}
+    for variant, extra in VARIANTS.items():
+        rows = train(flags + extra, data, 20, 5)
+        ms[variant] = statistics.median(r[1] for r in rows[2:]) if len(rows) > 2 else float("nan")
+    return [{"name": f"BERT-large step, {variant}", "value": ms[variant], "unit": "ms",
+             "notes": f"bf16 / this = {ms['bf16'] / ms[variant]:.3f}; seq 512, micro-batch 32, CUDA graphs, hybrid"}
+            for variant in VARIANTS]
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("what", choices=["steps", "numerics"])

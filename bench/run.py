@@ -20,6 +20,8 @@ from bench import (  # noqa: E402
     adamw_bench,
     attention_bench,
     cross_entropy_bench,
+    fp8_bench,
+    fp8_steps,
     layer_norm_bench,
     softmax_bench,
     train_bench,
@@ -42,6 +44,8 @@ SECTIONS = [
     ("Fused cross entropy (minibert/fast/cross_entropy.py)", cross_entropy_bench),
     ("Fused dropout + residual add + LayerNorm (minibert/fast/layer_norm.py)", layer_norm_bench),
     ("AdamW and the copy back in one pass (minibert/fast/adamw.py, --adam-fusion)", adamw_bench),
+    ("FP8 against bf16, one Linear of each preset's layer (minibert/fast/fp8.py, fp8_cast.py)", fp8_bench),
+    ("FP8 against bf16, whole BERT-large steps (bench/fp8_steps.py)", fp8_steps),
     ("Training throughput (bench/train_bench.py, --quick: 3 warm-up and 8 timed steps per contender)",
      QuickTraining),
 ]

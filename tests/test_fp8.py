@@ -388,3 +388,31 @@ def test_checkpoints_with_and_without_fp8_state_load_into_either_run(tiny_data):
     del from_fp8["model"]["layers.0.mlp.dense_h_to_4h.weight"]
     with pytest.raises(Exception, match="does not fit"):
         resume.restore_training_state(from_fp8, *fp8_run, warn=None)
+
+
+def test_tensor_and_data_parallel_fp8_runs_scale_every_shard_as_one_process_does(tiny_data, tmp_path_factory):
+    """The layout configuration in FP8 (hybrid, delayed) on one process, TP 2 and DP 2, checkpointed after
+    8 steps. The amaxes are maxed over the ranks before the scales are made, so both TP ranks hold the same
+    scales and histories for each layer's Linears (their shards of one tensor), and those are the
+    one-process run's up to the runs' drift (their bf16 sums in another order) and DP's factor 2 on the
+    output gradients (below); the logged losses follow the one-process FP8 run's."""
+    runs, states = {}, {}
+    for name, nproc, extra in (("one", 1, ()), ("tp2", 2, ("--tensor-model-parallel-size", "2")), ("dp2", 2, ())):
+        save = tmp_path_factory.mktemp(f"fp8-{name}-ckpt")
+        flags = ("--bf16", "--fp8-format", "hybrid", "--save", str(save), "--save-interval", "8")
+        runs[name] = launch.layout_run(tiny_data, tmp_path_factory, f"fp8-{name}", nproc, *flags, *extra)[1]
+        states[name] = [checkpoint.load_checkpoint(str(save), tp_rank=r)["model"]
+                        for r in range(2 if name == "tp2" else 1)]
+    fp8_keys = [k for k in states["one"][0] if k.endswith(("fp8_scale", "fp8_amax_history"))]
+    assert len(fp8_keys) == 2 * 4 * 4  # 4 layers x 4 Linears x (scales, history)
+    for key in fp8_keys:
+        one, (tp_a, tp_b), (dp,) = states["one"][0][key], states["tp2"], states["dp2"]
+        assert torch.equal(tp_a[key], tp_b[key]), key  # one scale for both shards of a tensor
+        # each DP rank scales its loss by 1 / its own micro-batch count (the reduction averages over DP), so
+        # its output gradients are DP times the one process's: amax x 2, scale / 2, the same FP8 values
+        dp = dp[key].clone()
+        dp[..., GRAD] *= 2 if key.endswith("fp8_scale") else 0.5
+        for other in (tp_a[key], dp):
+            torch.testing.assert_close(other, one, rtol=0.1, atol=0, msg=key)  # one element's max: drifts most
+    for name in ("tp2", "dp2"):  # (the same layouts in plain bf16 differ from one process by up to 4e-5)
+        launch.assert_close_runs(runs["one"], runs[name], ("lm loss", "sop loss"), rel=2e-4)
