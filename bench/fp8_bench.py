@@ -140,17 +140,16 @@ def run(tokens=16384):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=16384, help="rows of the activation (micro-batch x seq)")
-    parser.add_argument("--output", help="also write the tables to this file")
+    parser.add_argument("--output", help="also append the tables to this file")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("fp8_bench.py needs a GPU with FP8 matrix units (compute capability 8.9 or newer)")
-    lines, _ = gemm_table(args.tokens)
-    lines += [""] + sweep_table(args.tokens)
-    text = "\n".join(lines)
-    print(text, flush=True)
-    if args.output:
-        with open(args.output, "w") as f:
-            f.write(text + "\n")
+    for table in (lambda: gemm_table(args.tokens)[0], lambda: [""] + sweep_table(args.tokens)):
+        text = "\n".join(table())
+        print(text, flush=True)
+        if args.output:
+            with open(args.output, "a") as f:
+                f.write(text + "\n")
 
 
 if __name__ == "__main__":

@@ -59,10 +59,10 @@ def train(args, data, iters, log_interval, log_path=None):
 
 
 def steps(args, data, out):
-    models = [("BERT-large, seq 512, micro-batch 32, CUDA graphs", shape(24, 1024, 16, 512, 32)
-               + ["--cuda-graph-impl", "local"]),
-              (f"4B layer shape x {args.layers_4b} layers, seq 512, micro-batch 4, CUDA graphs",
-               shape(args.layers_4b, 2560, 32, 512, 4) + ["--cuda-graph-impl", "local"])]
+    models = [(f"4B layer shape x {args.layers_4b} layers, seq 512, micro-batch 4, CUDA graphs",
+               shape(args.layers_4b, 2560, 32, 512, 4) + ["--cuda-graph-impl", "local"]),
+              ("BERT-large, seq 512, micro-batch 32, CUDA graphs", shape(24, 1024, 16, 512, 32)
+               + ["--cuda-graph-impl", "local"])]
     times = {}
     for round_ in range(args.rounds):
         for model, flags in models:
