@@ -1,12 +1,17 @@
-"""Chapter 8's FP8 picture: what e4m3 and e5m2 can hold, and why each tensor gets a scale.
+"""Chapter 8's FP8 pictures: what e4m3 and e5m2 can hold and why each tensor gets a scale, and where FP8
+pays by GEMM size.
 
-Drawn from torch's own FP8 types (every one of the 256 bit patterns, decoded) and minibert.fast.fp8's
-scale rule; nothing here needs a GPU."""
+Drawn from torch's own FP8 types (every one of the 256 bit patterns, decoded), minibert.fast.fp8's scale
+rule, and the committed bench/results/fp8_sweep_* (bench/fp8_bench.py). Nothing here needs a GPU."""
+import pathlib
+
 import numpy as np
 import torch
 from style import COLORS, figure, save
 
 from minibert.fast.fp8 import E4M3, E5M2, FP8_MAX, quantize, scale_from_amax
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent.parent
 
 
 def positive_values(dtype):
@@ -65,4 +70,54 @@ def draw_formats(path):
     save(fig, path)
 
 
-FIGURES = {"ch08_fp8_formats": draw_formats}
+def result(prefix):
+    """The committed bench/results file whose name starts with `prefix` (the newest by name)."""
+    found = sorted((ROOT / "bench" / "results").glob(prefix + "*"))
+    if not found:
+        raise FileNotFoundError(f"no bench/results/{prefix}* file")
+    return found[-1]
+
+
+def sweep_rows():
+    """(h, bf16 ms, fp8 products ms, fp8 torch casts ms, fp8 ms) of the fc1 sweep of bench/fp8_bench.py."""
+    rows, inside = [], False
+    for line in result("fp8_sweep_").read_text(encoding="utf-8").splitlines():
+        if line.startswith("###"):  # the first fc1 table only (16,384 tokens)
+            inside = line.startswith("### fc1") and not rows
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if inside and len(cells) == 6 and cells[0].isdigit():
+            rows.append((int(cells[0]), *map(float, cells[1:5])))
+    return rows
+
+
+HOST_BOUND_MS = 0.7  # launched one call at a time, the FP8 Linear costs the host about this much
+
+
+def draw_sweep(path):
+    """bf16 time / FP8 time of fc1 [h -> 4h] over 16,384 tokens, forward + backward, by hidden size: the
+    products alone, with PyTorch casts, with the one-pass casts."""
+    rows = sweep_rows()
+    h = [r[0] for r in rows]
+    fig, ax = figure(3.3)
+    for index, label, color in ((2, "FP8 products alone (casts done beforehand)", COLORS["neutral"]),
+                                (3, "FP8 with PyTorch casts", COLORS["idle"]),
+                                (4, "FP8 with the one-pass casts (minibert)", COLORS["forward"])):
+        ax.plot(h, [r[1] / r[index] for r in rows], "-", color=color, label=label)
+        for r in rows:  # hollow: an FP8 row under HOST_BOUND_MS times the host's launches, not the GPU
+            hollow = index > 2 and r[index] < HOST_BOUND_MS
+            ax.plot(r[0], r[1] / r[index], "o", color=color, markerfacecolor="white" if hollow else color)
+    ax.axhline(1.0, color="black", lw=0.8)
+    ax.text(h[-1], 1.03, "FP8 faster above, slower below", fontsize=8, ha="right")
+    ax.set_ylim(0, 3.0)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(h)
+    ax.set_xticklabels([str(x) for x in h])
+    ax.set_xlabel("hidden size h (fc1: [tokens, h] x [h, 4h], forward and backward)")
+    ax.set_ylabel("bf16 time / FP8 time")
+    ax.legend(fontsize=8, frameon=False, loc="upper left", ncol=2,
+              title=f"hollow: an FP8 time under {HOST_BOUND_MS} ms (the host's launches, not the GPU)",
+              title_fontsize=8)
+    save(fig, path)
+
+
+FIGURES = {"ch08_fp8_formats": draw_formats, "ch08_fp8_sweep": draw_sweep}
