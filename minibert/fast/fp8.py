@@ -144,6 +144,11 @@ def scale_from_amax(amax, dtype, margin=0, otherwise=1.0):
     return torch.where(usable, scale, otherwise)
 
 
+def largest_magnitude(t):
+    """max |t| in fp32, in one pass over t (no |t| written out first: the infinity norm)."""
+    return torch.linalg.vector_norm(t.detach(), float("inf")).float()
+
+
 def quantize(t, dtype, scale):
     """t * scale, saturated to the format's range, cast to FP8 (a value past the top clamps, as TE's cast)."""
     limit = FP8_MAX[dtype]
@@ -216,6 +221,8 @@ class FP8Scaling:
             self.register_buffer("fp8_amax_history", torch.zeros(recipe.history_len, 3, device=device))
             self.register_buffer("fp8_scale", torch.zeros(3, device=device))  # 0: no history yet
             self.register_buffer("fp8_amax", torch.zeros(3, device=device), persistent=False)  # this step's
+            # 1 / fp8_scale, made by fp8_step with the scales: a cast needs no kernel to invert its scale
+            self.register_buffer("fp8_scale_inverse", torch.zeros(3, device=device), persistent=False)
 
     def fp8_quantize(self, t, which, record, rows=None, transpose=False):
         """t [m, k] -> (t in FP8 [rows, k] (zero rows added past m), its transpose [k, rows] or None, the
@@ -227,23 +234,25 @@ class FP8Scaling:
         slot = slice(which, which + 1)
         if recipe.delayed and not self.fp8_fresh:
             scale, amax = self.fp8_scale[slot], self.fp8_amax[slot] if record else None
+            inverse = self.fp8_scale_inverse[slot]
         else:
-            current = t.detach().abs().amax().float().reshape(1)
+            current = largest_magnitude(t).reshape(1)
             scale, amax = scale_from_amax(current, dtype, recipe.margin), None
             if recipe.delayed:
                 if record:
                     torch.maximum(self.fp8_amax[slot], current, out=self.fp8_amax[slot])
                 scale = torch.where(self.fp8_scale[slot] > 0, self.fp8_scale[slot], scale)
+            inverse = scale.reciprocal()
         rows = t.shape[0] if rows is None else rows
         if t.is_cuda and not self.fp8_plain_casts:  # one pass (minibert/fast/fp8_cast.py)
             from minibert.fast import fp8_cast  # Triton is imported where it runs
             t8, t8_t = fp8_cast.cast(t.detach(), dtype, scale, FP8_MAX[dtype], amax, rows, transpose)
         else:  # the plain twin: a PyTorch op per step
             if amax is not None:
-                torch.maximum(amax, t.detach().abs().amax().float(), out=amax)
+                torch.maximum(amax, largest_magnitude(t), out=amax)
             t8 = quantize(F.pad(t.detach(), (0, 0, 0, rows - t.shape[0])), dtype, scale)
             t8_t = t8.t().contiguous() if transpose else None
-        return t8, t8_t, scale.reciprocal()
+        return t8, t8_t, inverse
 
     def fp8_weight(self, weight, record):
         """The weight's FP8 copy and, in training (record), its transpose (dgrad's operand) with its inverse
@@ -346,4 +355,5 @@ def fp8_step(model, state=None):
                          for i in (INPUT, WEIGHT, GRAD)], dim=1)  # no usable amax: the scale stays
     torch._foreach_copy_([m.fp8_amax_history for m in modules], list(history.unbind(0)))
     torch._foreach_copy_([m.fp8_scale for m in modules], list(scale.unbind(0)))
+    torch._foreach_copy_([m.fp8_scale_inverse for m in modules], list(scale.reciprocal().unbind(0)))
     torch._foreach_zero_([m.fp8_amax for m in modules])
