@@ -59,8 +59,10 @@ from minibert.tools import plan_memory as pm
 HARDWARE = {
     "peak_tflops": (790.0, ("dense bf16 matmul TFLOP/s of one GPU (default: a large bf16 matmul as measured in "
                             "docs/measuring.md, section 2, not a datasheet's peak)")),
-    "fp8_peak_tflops": (1300.0, ("dense FP8 matmul TFLOP/s of one GPU: the rate of the layers' four Linears "
-                                 "with --fp8-format (default: a provisional value, not a measurement)")),
+    "fp8_peak_tflops": (1420.0, ("dense FP8 matmul TFLOP/s of one GPU: the rate of the layers' four Linears "
+                                 "with --fp8-format (default: --peak-tflops's default times the speed-up of "
+                                 "FP8 products over bf16 ones at the 4B's and 20B's shapes, as measured in "
+                                 "bench/results/fp8_sweep_h100_2026-12-07.md)")),
     "mfu": (0.40, ("share of the peak the forward and backward reach (default: an assumption that chapter 7 "
                    "explains)")),
     "hbm_tb_s": (4.1, ("HBM TB/s, for the optimizer step and FP8 casts (default: a device copy as measured in "
