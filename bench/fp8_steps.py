@@ -1,11 +1,13 @@
 """FP8 against bf16 in whole training runs through minibert/train.py, on one GPU: step time, and the loss
 curves of a longer run.
 
-    python bench/fp8_steps.py steps    [--rounds 2] [--iters 30] [--layers-4b 8] [--output PATH]
+    python bench/fp8_steps.py steps    [--rounds 2] [--iters 30] [--layers-4b 8] [--micro-batches-4b 4,16]
+                                       [--output PATH]
     python bench/fp8_steps.py numerics [--iters 1500] [--output PATH] [--logs DIR]
 
 steps: BERT-large (seq 512, micro-batch 32, CUDA graphs) and the 4B preset's layer shape (hidden 2560, 32
-heads, seq 512, micro-batch 4; --layers-4b of its 48 layers, so that it fits a GPU with CUDA graphs), each
+heads, seq 512, micro-batch 4 or those of --micro-batches-4b; --layers-4b of its 48 layers, so that it
+fits a GPU with CUDA graphs), each
 in bf16, FP8 with delayed scaling and FP8 with tensorwise scaling (hybrid format), the variants alternating
 in each round; a run's time is the median of its logged "elapsed time per iteration" after the first two
 log intervals (warm-up and capture). The ratio is bf16's time / FP8's (above 1: FP8 is faster).
@@ -59,10 +61,11 @@ def train(args, data, iters, log_interval, log_path=None):
 
 
 def steps(args, data, out):
-    models = [(f"4B layer shape x {args.layers_4b} layers, seq 512, micro-batch 4, CUDA graphs",
-               shape(args.layers_4b, 2560, 32, 512, 4) + ["--cuda-graph-impl", "local"]),
-              ("BERT-large, seq 512, micro-batch 32, CUDA graphs", shape(24, 1024, 16, 512, 32)
-               + ["--cuda-graph-impl", "local"])]
+    models = [(f"4B layer shape x {args.layers_4b} layers, seq 512, micro-batch {micro}, CUDA graphs",
+               shape(args.layers_4b, 2560, 32, 512, micro) + ["--cuda-graph-impl", "local"])
+              for micro in args.micro_batches_4b]
+    models.append(("BERT-large, seq 512, micro-batch 32, CUDA graphs", shape(24, 1024, 16, 512, 32)
+                   + ["--cuda-graph-impl", "local"]))
     times = {}
     for round_ in range(args.rounds):
         for model, flags in models:
@@ -129,6 +132,8 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--iters", type=int, default=None, help="iterations a run (steps: 30, numerics: 1500)")
     parser.add_argument("--layers-4b", type=int, default=8)
+    parser.add_argument("--micro-batches-4b", type=lambda text: [int(v) for v in text.split(",")], default=[4],
+                        help="steps: the 4B layer shape's micro-batch sizes, comma-separated (default 4)")
     parser.add_argument("--work-dir", default=os.path.join(ROOT, "runs", "fp8-bench"))
     parser.add_argument("--logs", default=None, help="numerics: where each run's log goes (default: the work dir)")
     parser.add_argument("--output", default=None, help="also append the table to this file")
