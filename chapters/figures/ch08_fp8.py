@@ -20,6 +20,15 @@ def positive_values(dtype):
     return np.unique(values[torch.isfinite(values) & (values > 0)].numpy())
 
 
+def powers_of_two_axis(ax, xlim, ylim, ticks):
+    """An x axis of log2 magnitudes labelled 2^k at `ticks`, and no y axis."""
+    ax.set_yticks([])
+    ax.set_xlim(*xlim)
+    ax.set_ylim(*ylim)
+    ax.set_xticks(ticks)
+    ax.set_xticklabels([f"2^{k}" for k in ticks])
+
+
 def draw_formats(path):
     """Top: each format's positive values on a log2 axis (one tick per value; normal and subnormal
     apart). Bottom: a weight tensor (~0.02) and a gradient tensor (~1e-6) without and with their scales."""
@@ -34,11 +43,7 @@ def draw_formats(path):
         steps = len(values[(values >= 1) & (values < 2)])
         top.text(-17.5, y + 0.42, f"{name}: up to {FP8_MAX[dtype]:g}, {steps} values per power of 2, "
                  f"down to 2^{int(np.log2(values[0]))}", fontsize=9)
-    top.set_yticks([])
-    top.set_ylim(-0.4, 2.0)
-    top.set_xlim(-18, 18)
-    top.set_xticks(range(-16, 17, 4))
-    top.set_xticklabels([f"2^{k}" for k in range(-16, 17, 4)])
+    powers_of_two_axis(top, (-18, 18), (-0.4, 2.0), range(-16, 17, 4))
     top.set_title("The positive values of the two FP8 formats (faint: subnormals, with fewer steps)", fontsize=10)
 
     g = torch.Generator().manual_seed(0)
@@ -61,11 +66,7 @@ def draw_formats(path):
         bottom.text(-33.5, y + 0.62, f"{name} in {'e4m3' if row == 0 else 'e5m2'}: unscaled (grey) "
                     f"{100 * lost_plain:.0f}% become 0; times the scale {float(scale):.3g} (green): "
                     f"{100 * lost_scaled:.1f}%", fontsize=9)
-    bottom.set_yticks([])
-    bottom.set_xlim(-34, 18)
-    bottom.set_ylim(-0.1, 2.05)
-    bottom.set_xticks(range(-32, 17, 8))
-    bottom.set_xticklabels([f"2^{k}" for k in range(-32, 17, 8)])
+    powers_of_two_axis(bottom, (-34, 18), (-0.1, 2.05), range(-32, 17, 8))
     bottom.set_xlabel("|value| (shaded band: what the format holds)")
     save(fig, path)
 
