@@ -256,9 +256,9 @@ class FP8Scaling:
 
     def fp8_weight(self, weight, record):
         """The weight's FP8 copy and, in training (record), its transpose (dgrad's operand) with its inverse
-        scale, cast once per
-        optimizer step: a step's later micro-batches reuse the first one's (the weight and its scale change
-        only between steps). Not while a CUDA graph is recorded: a replay must cast the weight of its step."""
+        scale, cast once per optimizer step: a step's later micro-batches reuse the first one's (the weight
+        and its scale change only between steps). Not while a CUDA graph is recorded: a replay must cast the
+        weight of its own step."""
         capturing = weight.is_cuda and torch.cuda.is_current_stream_capturing()
         key = (weight._version, self.fp8_steps)
         if not capturing and self.fp8_weight_copy is not None and self.fp8_weight_copy[0] == key:
