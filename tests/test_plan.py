@@ -288,6 +288,15 @@ def test_bad_input_is_one_line_and_exit_2(capsys, argv, message):
     assert code == 2 and out == "" and len(err.strip().split("\n")) == 1 and message in err, err
 
 
+def validate_accepts(cfg, world) -> bool:
+    """Whether the trainer's validate accepts cfg on `world` GPUs."""
+    try:
+        validate(cfg, world_size=world, device_type="cuda", warn=None)
+        return True
+    except UsageError:
+        return False
+
+
 def test_the_planner_refuses_exactly_what_validate_refuses(tmp_path):
     """Over a grid of layouts: no planner problem <=> validate accepts it."""
     vocab = tmp_path / "vocab.txt"
@@ -298,12 +307,7 @@ def test_the_planner_refuses_exactly_what_validate_refuses(tmp_path):
                     num_layers_per_virtual_pipeline_stage=lps, global_batch_size=global_batch, sequence_parallel=sp,
                     hidden_size=48, num_attention_heads=6, seq_length=30, vocab_file=str(vocab))
         problems = plan.layout_problems(cfg, world) + plan.other_problem(cfg)
-        try:
-            validate(cfg, world_size=world, device_type="cuda", warn=None)
-            accepted = True
-        except UsageError:
-            accepted = False
-        assert accepted == (not problems), (tp, pp, world, layers, lps, global_batch, sp, problems)
+        assert validate_accepts(cfg, world) == (not problems), (tp, pp, world, layers, lps, global_batch, sp, problems)
 
 
 def test_the_fp8_rules_are_listed_and_are_validates(capsys):
@@ -320,12 +324,7 @@ def test_the_fp8_rules_are_listed_and_are_validates(capsys):
     for tp, bf16, hidden in itertools.product([1, 2, 4], [False, True], [64, 96]):
         cfg = small(tensor_model_parallel_size=tp, bf16=bf16, hidden_size=hidden, fp8_format="e4m3")
         problems = plan.layout_problems(cfg, tp) + plan.other_problem(cfg)
-        try:
-            validate(cfg, world_size=tp, device_type="cuda", warn=None)
-            accepted = True
-        except UsageError:
-            accepted = False
-        assert accepted == (not problems), (tp, bf16, hidden, problems)
+        assert validate_accepts(cfg, tp) == (not problems), (tp, bf16, hidden, problems)
 
 
 def test_full_recompute_follows_the_recompute_method():
