@@ -2,12 +2,12 @@
 curves of a longer run.
 
     python bench/fp8_steps.py steps    [--rounds 2] [--iters 30] [--layers-4b 8] [--micro-batches-4b 4,16]
-                                       [--output PATH]
+                                       [--global-batch-4b 32] [--output PATH]
     python bench/fp8_steps.py numerics [--iters 1500] [--output PATH] [--logs DIR]
 
 steps: BERT-large (seq 512, micro-batch 32, CUDA graphs) and the 4B preset's layer shape (hidden 2560, 32
-heads, seq 512, micro-batch 4 or those of --micro-batches-4b; --layers-4b of its 48 layers, so that it
-fits a GPU with CUDA graphs), each
+heads, seq 512, micro-batch 4 or those of --micro-batches-4b, the recipe's global batch of 32 sequences
+(--global-batch-4b); --layers-4b of its 48 layers, so that it fits a GPU with CUDA graphs), each
 in bf16, FP8 with delayed scaling and FP8 with tensorwise scaling (hybrid format), the variants alternating
 in each round; a run's time is the median of its logged "elapsed time per iteration" after the first two
 log intervals (warm-up and capture). The ratio is bf16's time / FP8's (above 1: FP8 is faster).
@@ -39,9 +39,10 @@ LINE = re.compile(r"iteration\s+(\d+)/.*?elapsed time per iteration \(ms\): ([\d
                   r".*?lm acc: ([\d.]+)")
 
 
-def shape(layers, hidden, heads, seq, micro):
+def shape(layers, hidden, heads, seq, micro, global_batch=None):
     return ["--num-layers", layers, "--hidden-size", hidden, "--num-attention-heads", heads, "--seq-length", seq,
-            "--max-position-embeddings", 512, "--micro-batch-size", micro, "--global-batch-size", micro]
+            "--max-position-embeddings", 512, "--micro-batch-size", micro,
+            "--global-batch-size", max(global_batch or micro, micro)]
 
 
 def train(args, data, iters, log_interval, log_path=None):
@@ -61,8 +62,9 @@ def train(args, data, iters, log_interval, log_path=None):
 
 
 def steps(args, data, out):
-    models = [(f"4B layer shape x {args.layers_4b} layers, seq 512, micro-batch {micro}, CUDA graphs",
-               shape(args.layers_4b, 2560, 32, 512, micro) + ["--cuda-graph-impl", "local"])
+    models = [(f"4B layer shape x {args.layers_4b} layers, seq 512, micro-batch {micro}, global batch "
+               f"{max(args.global_batch_4b, micro)}, CUDA graphs",
+               shape(args.layers_4b, 2560, 32, 512, micro, args.global_batch_4b) + ["--cuda-graph-impl", "local"])
               for micro in args.micro_batches_4b]
     models.append(("BERT-large, seq 512, micro-batch 32, CUDA graphs", shape(24, 1024, 16, 512, 32)
                    + ["--cuda-graph-impl", "local"]))
@@ -134,6 +136,9 @@ def main(argv=None):
     parser.add_argument("--layers-4b", type=int, default=8)
     parser.add_argument("--micro-batches-4b", type=lambda text: [int(v) for v in text.split(",")], default=[4],
                         help="steps: the 4B layer shape's micro-batch sizes, comma-separated (default 4)")
+    parser.add_argument("--global-batch-4b", type=int, default=32,
+                        help="steps: the 4B rows' global batch (default 32, examples/bert_4b.sh's: 8 micro-batches "
+                             "of 4 a step on one GPU); a micro-batch larger than it makes a step of one micro-batch")
     parser.add_argument("--work-dir", default=os.path.join(ROOT, "runs", "fp8-bench"))
     parser.add_argument("--logs", default=None, help="numerics: where each run's log goes (default: the work dir)")
     parser.add_argument("--output", default=None, help="also append the table to this file")
