@@ -73,6 +73,10 @@ the inner dimension and the second operand's other one multiples of 16; never e5
     dgrad     dx [m, k] = g8 [m, n]      @ W8   [n, k]       the column-major W8 is a transposed copy
     wgrad     dW [n, k] = g8^T [n, m']   @ x8   [m', k]      m rounded up to m' (16s) with zero rows
 
+The forward product accumulates in the matrix units' fast mode, the backward's two in fp32 all along: TE's
+and torchao's defaults (the gradients, whose errors the optimizer sums up over the steps, get the exact
+sums). bench/fp8_steps.py's numerics check trains with this choice.
+
 k and n are hidden and FFN sizes (over TP), which validate.py requires in 16s; the token count m is
 whatever a packed micro-batch holds, so the weight gradient's inner dimension is padded. The bias
 gradient is the row sum of the bf16 gradient (fast/linear.py's GEMV), not of its FP8 copy.
@@ -155,9 +159,11 @@ def quantize(t, dtype, scale):
     return (t.float() * scale).clamp_(-limit, limit).to(dtype)
 
 
-def scaled_mm(a, b, a_inverse, b_inverse, out_dtype, bias=None):
+def scaled_mm(a, b, a_inverse, b_inverse, out_dtype, bias=None, fast_accumulation=False):
     """a [m, k] @ b [k, n] of FP8 operands, each times its inverse scale, accumulated in fp32 -> [m, n] in
     out_dtype (+ bias, in the epilogue where the GPU allows it: a bias of the output's 16-bit dtype).
+    fast_accumulation: let the matrix units keep their running sums over the whole k (on Hopper, fewer
+    bits than fp32) instead of adding them into fp32 every few steps of k: faster, less exact.
     Checks the GPU's rules (module docstring) so that the CPU, where torch._scaled_mm takes anything, runs
     the layouts the GPU needs."""
     if a.dtype == E5M2 and b.dtype == E5M2:
@@ -170,7 +176,7 @@ def scaled_mm(a, b, a_inverse, b_inverse, out_dtype, bias=None):
                          f"{a.shape[1]}] @ [{b.shape[0]}, {b.shape[1]}]")
     epilogue = bias is not None and bias.dtype == out_dtype and out_dtype in (torch.bfloat16, torch.float16)
     y = torch._scaled_mm(a, b, scale_a=a_inverse, scale_b=b_inverse, bias=bias if epilogue else None,
-                         out_dtype=out_dtype)
+                         out_dtype=out_dtype, use_fast_accum=fast_accumulation)
     return y if bias is None or epilogue else y + bias
 
 
@@ -185,7 +191,7 @@ class FP8LinearFunction(torch.autograd.Function):
         wgrad = record and weight.requires_grad  # (grad mode is off inside forward: record says it was on)
         x8, x8_t, x_inverse = module.fp8_quantize(rows, INPUT, record, padded, transpose=wgrad)  # [m', k], [k, m']
         w8, w8_t, w_inverse = module.fp8_weight(weight, record)  # [n, k], [k, n]
-        y = scaled_mm(x8[:m], w8.t(), x_inverse, w_inverse, x.dtype, bias)  # [m, n]
+        y = scaled_mm(x8[:m], w8.t(), x_inverse, w_inverse, x.dtype, bias, fast_accumulation=True)  # [m, n]
         ctx.save_for_backward(x8_t, w8_t, x_inverse, w_inverse)  # FP8 copies: 1 byte an element
         ctx.module, ctx.has_bias, ctx.x_shape, ctx.weight_dtype = module, bias is not None, x.shape, weight.dtype
         return y.view(*x.shape[:-1], y.shape[-1])
