@@ -160,6 +160,7 @@ def test_delayed_scales_follow_the_history_and_change_once_per_step(algo, margin
     g = torch.Generator().manual_seed(2)
     sizes = [(1.0, 2.0), (0.5, 0.25), (3.0, 1.0), (0.1, 0.2)]  # each micro-batch's input magnitude
     history = []  # the input's step amaxes, newest first
+    first_addresses = None  # of the weight's FP8 copies
     for step, pair in enumerate(sizes):
         scale_before = module.fp8_scale.clone()
         amaxes = []
@@ -175,6 +176,13 @@ def test_delayed_scales_follow_the_history_and_change_once_per_step(algo, margin
             assert torch.equal(module.fp8_scale, scale_before)  # never within a step
         with torch.no_grad():
             module(100 * torch.randn(32, 32))  # evaluation: not recorded
+        # the weight's copies: cast once a step, into the same tensors (what CUDA graphs read), at this step's scale
+        addresses = [t.data_ptr() for t in module.fp8_weight_copy]
+        assert first_addresses in (None, addresses), (addresses, first_addresses)
+        first_addresses = addresses
+        w8 = quantize(module.weight.detach(), E4M3, scales[WEIGHT])
+        assert torch.equal(module.fp8_weight_copy[0].view(torch.uint8), w8.view(torch.uint8))
+        assert torch.equal(module.fp8_weight_copy[1], w8.t().contiguous())
         step_amax = torch.stack(amaxes).amax(0)
         assert torch.equal(module.fp8_amax, step_amax)  # the running max over the micro-batches
         fp8.fp8_step(module)

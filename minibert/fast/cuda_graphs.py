@@ -195,6 +195,7 @@ def forward_backward_captured(forward_step, batches, model, optimizer):
     numbers = host_numbers(model, optimizer)
     if any(g.host_numbers != numbers for g in graphs.by_shape.values()):
         _graphs[model] = graphs = ModelGraphs()  # every graph holds the old numbers: capture again
+    fp8.cast_weights(model)  # --fp8-format: this step's FP8 weights, which every replay reads
     results = []
     for batch in batches:
         inputs = graph_inputs(batch)  # once per micro-batch: the key and the copies both read it

@@ -84,7 +84,8 @@ gradient is the row sum of the bf16 gradient (fast/linear.py's GEMV), not of its
 The casts. On a GPU each cast is one pass (minibert/fast/fp8_cast.py: read the 16-bit tensor once; write
 its FP8 copy, the transposed copy that the backward's product needs, and the amax); the same casts written
 as PyTorch ops are its plain twin (fp8_plain_casts), and the CPU path. The weight's copies are made once per
-optimizer step and reused by the step's later micro-batches. Only the transposed copies of the input and
+optimizer step and reused by the step's later micro-batches (with CUDA graphs too: cast_weights makes them
+before a step's replays, which only read them). Only the transposed copies of the input and
 the weight are kept for the backward.
 
 The plain twin of the whole is the bf16 Linear that runs without --fp8-format. What is not here: the cast
@@ -219,7 +220,8 @@ class FP8Scaling:
     def fp8_setup(self, recipe: Recipe):
         self.fp8_recipe = recipe
         self.fp8_steps = 0  # optimizer steps seen (fp8_step): the weight's FP8 copy is made once per step
-        self.fp8_weight_copy = None  # (weight version, step) -> w8, w8^T, inverse scale
+        self.fp8_weight_copy = None  # w8, w8^T, inverse scale: made by the first cast, then cast into
+        self.fp8_weight_key = None  # (weight version, step) the copy was cast at
         self.fp8_fresh = True  # no fp8_step yet: the stored scales may be missing (0)
         if recipe.delayed:
             device = self.weight.device
@@ -230,12 +232,13 @@ class FP8Scaling:
             # 1 / fp8_scale, made by fp8_step with the scales: a cast needs no kernel to invert its scale
             self.register_buffer("fp8_scale_inverse", torch.zeros(3, device=device), persistent=False)
 
-    def fp8_quantize(self, t, which, record, rows=None, transpose=False):
+    def fp8_quantize(self, t, which, record, rows=None, transpose=False, out=None):
         """t [m, k] -> (t in FP8 [rows, k] (zero rows added past m), its transpose [k, rows] or None, the
         inverse of its scale): the recipe's scale for tensor `which`. Delayed: the stored scale, and with
         `record` this amax goes into the step's running max, in the cast's own pass; before the first
         fp8_step, a stored scale may be missing, so the tensor's current amax stands in (one more pass).
-        Every update is in place, on the device: nothing waits for the host."""
+        out: an earlier result to write this one into (same shapes). Every update is in place, on the
+        device: nothing waits for the host."""
         dtype, recipe = self.fp8_recipe.dtype(which), self.fp8_recipe
         slot = slice(which, which + 1)
         if recipe.delayed and not self.fp8_fresh:
@@ -252,26 +255,34 @@ class FP8Scaling:
         rows = t.shape[0] if rows is None else rows
         if t.is_cuda and not self.fp8_plain_casts:  # one pass (minibert/fast/fp8_cast.py)
             from minibert.fast import fp8_cast  # Triton is imported where it runs
-            t8, t8_t = fp8_cast.cast(t.detach(), dtype, scale, FP8_MAX[dtype], amax, rows, transpose)
+            t8, t8_t = fp8_cast.cast(t.detach(), dtype, scale, FP8_MAX[dtype], amax, rows, transpose,
+                                     *(out[:2] if out else ()))
         else:  # the plain twin: a PyTorch op per step
             if amax is not None:
                 torch.maximum(amax, largest_magnitude(t), out=amax)
             t8 = quantize(F.pad(t.detach(), (0, 0, 0, rows - t.shape[0])), dtype, scale)
             t8_t = t8.t().contiguous() if transpose else None
-        return t8, t8_t, inverse
+            if out:
+                t8, t8_t = out[0].copy_(t8), out[1].copy_(t8_t) if transpose else None
+        return t8, t8_t, out[2].copy_(inverse) if out else inverse
 
     def fp8_weight(self, weight, record):
-        """The weight's FP8 copy and, in training (record), its transpose (dgrad's operand) with its inverse
-        scale, cast once per optimizer step: a step's later micro-batches reuse the first one's (the weight
-        and its scale change only between steps). Not while a CUDA graph is recorded: a replay must cast the
-        weight of its own step."""
-        capturing = weight.is_cuda and torch.cuda.is_current_stream_capturing()
+        """The weight's FP8 copy, its transpose (dgrad's operand) and its inverse scale. In training
+        (record) cast once per optimizer step, into the same tensors all run long: a step's later
+        micro-batches reuse the first one's (the weight and its scale change only between steps), and CUDA
+        graphs read them where they stay (minibert/fast/cuda_graphs.py casts them before a step's replays:
+        cast_weights). An evaluation between two steps casts a copy of its own and records nothing."""
         key = (weight._version, self.fp8_steps)
-        if not capturing and self.fp8_weight_copy is not None and self.fp8_weight_copy[0] == key:
-            return self.fp8_weight_copy[1]
-        copy = self.fp8_quantize(weight, WEIGHT, record, transpose=record)
-        if not capturing and record:
-            self.fp8_weight_copy = (key, copy)
+        if self.fp8_weight_key == key:
+            return self.fp8_weight_copy
+        if not record:
+            return self.fp8_quantize(weight, WEIGHT, False)
+        if weight.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("an FP8 weight cast inside a CUDA graph: call fp8.cast_weights(model) first")
+        copy = self.fp8_quantize(weight, WEIGHT, True, transpose=True, out=self.fp8_weight_copy)
+        if self.fp8_weight_copy is None:  # the first cast: its inverse scale may be a view of fp8_scale_inverse
+            copy = (copy[0], copy[1], copy[2].clone())
+        self.fp8_weight_copy, self.fp8_weight_key = copy, key
         return copy
 
     def fp8_linear(self, x, bias):
@@ -326,6 +337,15 @@ def apply(chunk, cfg):
             module.__class__ = TWINS[type(module)]
             module.fp8_setup(recipe)
     return chunk
+
+
+def cast_weights(model):
+    """Every FP8 linear's weight copies for the coming micro-batches, cast now (CUDA graphs' replays read
+    them: a graph records no weight cast of its own). `model`: a chunk or a list."""
+    for chunk in as_chunks(model):
+        for m in chunk.modules():
+            if isinstance(m, FP8Scaling):
+                m.fp8_weight(m.weight, True)
 
 
 def any_fresh(model) -> bool:

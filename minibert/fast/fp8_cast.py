@@ -43,16 +43,16 @@ def _cast_kernel(x_ptr, scale_ptr, amax_ptr, out_ptr, out_t_ptr, m, k, m_out, st
         tl.store(out_t_ptr + cols[None, :] * m_out + rows[:, None], y, mask=inside)
 
 
-def cast(x, dtype, scale, fp8_max, amax=None, rows=None, transpose=False):
+def cast(x, dtype, scale, fp8_max, amax=None, rows=None, transpose=False, out=None, out_t=None):
     """x [m, k] (16-bit or fp32, rows contiguous) -> (x8 [rows, k], x8 transposed [k, rows] or None) in FP8
     `dtype`, x * scale saturated at +-fp8_max; rows (>= m; default m): zero rows added at the end. amax: a
     one-element fp32 tensor that gets max(amax, max |x|) (None: not recorded). scale: a one-element fp32
-    tensor on x's device."""
+    tensor on x's device. out, out_t: tensors to write the two copies into (default: new ones)."""
     m, k = x.shape
     rows = m if rows is None else rows
     assert x.stride(1) == 1 and rows >= m
-    out = torch.empty(rows, k, dtype=dtype, device=x.device)
-    out_t = torch.empty(k, rows, dtype=dtype, device=x.device) if transpose else out
+    out = torch.empty(rows, k, dtype=dtype, device=x.device) if out is None else out
+    out_t = (torch.empty(k, rows, dtype=dtype, device=x.device) if out_t is None else out_t) if transpose else out
     grid = (triton.cdiv(rows, BLOCK_M), triton.cdiv(k, BLOCK_K))
     _cast_kernel[grid](x, scale, amax if amax is not None else scale, out, out_t, m, k, rows, x.stride(0),
                        fp8_max, RECORD=amax is not None, TRANSPOSE=transpose, BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K)
