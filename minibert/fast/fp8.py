@@ -229,8 +229,10 @@ class FP8Scaling:
             self.register_buffer("fp8_amax_history", torch.zeros(recipe.history_len, 3, device=device))
             self.register_buffer("fp8_scale", torch.zeros(3, device=device))  # 0: no history yet
             self.register_buffer("fp8_amax", torch.zeros(3, device=device), persistent=False)  # this step's
-            # 1 / fp8_scale, made by fp8_step with the scales: a cast needs no kernel to invert its scale
-            self.register_buffer("fp8_scale_inverse", torch.zeros(3, device=device), persistent=False)
+            # 1 / fp8_scale, made by fp8_step with the scales: a cast needs no kernel to invert its scale.
+            # A row of 64 each, column 0 used: cuBLASLt refuses a scale that sits a few bytes into a
+            # tensor (CUBLAS_STATUS_NOT_SUPPORTED), so each starts 256 bytes on, as a tensor of its own would
+            self.register_buffer("fp8_scale_inverse", torch.zeros(3, 64, device=device), persistent=False)
 
     def fp8_quantize(self, t, which, record, rows=None, transpose=False, out=None):
         """t [m, k] -> (t in FP8 [rows, k] (zero rows added past m), its transpose [k, rows] or None, the
@@ -243,7 +245,7 @@ class FP8Scaling:
         slot = slice(which, which + 1)
         if recipe.delayed and not self.fp8_fresh:
             scale, amax = self.fp8_scale[slot], self.fp8_amax[slot] if record else None
-            inverse = self.fp8_scale_inverse[slot]
+            inverse = self.fp8_scale_inverse[which, :1]
         else:
             current = largest_magnitude(t).reshape(1)
             scale, amax = scale_from_amax(current, dtype, recipe.margin), None
@@ -381,5 +383,5 @@ def fp8_step(model, state=None):
                          for i in (INPUT, WEIGHT, GRAD)], dim=1)  # no usable amax: the scale stays
     torch._foreach_copy_([m.fp8_amax_history for m in modules], list(history.unbind(0)))
     torch._foreach_copy_([m.fp8_scale for m in modules], list(scale.unbind(0)))
-    torch._foreach_copy_([m.fp8_scale_inverse for m in modules], list(scale.reciprocal().unbind(0)))
+    torch._foreach_copy_([m.fp8_scale_inverse[:, 0] for m in modules], list(scale.reciprocal().unbind(0)))
     torch._foreach_zero_([m.fp8_amax for m in modules])
