@@ -374,27 +374,22 @@ def draw_checkpoint_save(path):
 
 # ---------------------------------------------------------------- the runs
 def draw_train_small_loss(path):
-    """make train-small's losses on one H200 (bf16; CUDA graphs and eager) against samples seen, and the
-    last interval of the 1500-iteration run, the lm loss left and the SOP loss right."""
+    """make train-small's losses (bf16; CUDA graphs and eager) against samples seen, and the same model
+    trained 30 times longer (1500 iterations of 64 samples), the lm loss left and the SOP loss right."""
     fig, axes = figure(3.6, ncols=2, gridspec_kw={"width_ratios": [1.6, 1]})
-    text = (LOGS / "train_small_long_h200.txt").read_text()
-    long_run = {name: float(re.search(rf"iteration +1500/.*? {name}: (\S+) \|", text)[1]) for name in ("lm loss", "sop loss")}
-    long_test = {name: float(re.search(rf"on test set \|.*?{name} value: (\S+) \|", text)[1])
+    long_log = (LOGS / "train_small_long_h100.log").read_text()
+    long_test = {name: float(re.search(rf"on test set \|.*?{name} value: (\S+) \|", long_log)[1])
                  for name in ("lm loss", "sop loss")}
     for ax, name in zip(axes, ("lm loss", "sop loss")):
-        pattern = re.compile(rf"^iteration +(\d+)/.*? {name}: (\S+) \|")
-        for log, label, style, color in (("train_small_bf16_eager_h200.log", "make train-small, eager", "-",
-                                          COLORS["neutral"]),
-                                         ("train_small_bf16_h200.log", "the same, CUDA graphs", "--", COLORS["forward"])):
-            points = [(int(m[1]) * 16, float(m[2])) for m in map(pattern.match, (LOGS / log).read_text().splitlines())
-                      if m]
-            ax.plot(*zip(*points), style, color=color, lw=2.2 if style == "-" else 1.2, label=label)
-        last = points[-1]
-        ax.plot([last[0], 96000], [last[1], long_run[name]], ":", color=COLORS["communication"], lw=0.9,
-                label="(dotted: no log line in between)")
-        ax.scatter([96000], [long_run[name]], marker="*", s=130, color=COLORS["communication"], zorder=3,
-                   label=f"1500 iterations × 64, lr 5e-4: {long_run[name]:.2f}")
-        ax.scatter([96000], [long_test[name]], marker="D", s=24, color=COLORS["backward"], zorder=3,
+        pattern = re.compile(rf"^iteration +(\d+)/.*? global batch size: +(\d+) \|.*? {name}: (\S+) \|")
+        for log, label, style, color, width in (
+                ("train_small_bf16_eager_h200.log", "make train-small, eager", "-", COLORS["neutral"], 2.2),
+                ("train_small_bf16_h200.log", "the same, CUDA graphs", "--", COLORS["forward"], 1.2),
+                ("train_small_long_h100.log", "1500 iterations × 64, lr 5e-4", "-", COLORS["communication"], 1.0)):
+            points = [(int(m[1]) * int(m[2]), float(m[3]))
+                      for m in map(pattern.match, (LOGS / log).read_text().splitlines()) if m]
+            ax.plot(*zip(*points), style, color=color, lw=width, label=label)
+        ax.scatter([points[-1][0]], [long_test[name]], marker="D", s=24, color=COLORS["backward"], zorder=3,
                    label=f"that run's test set: {long_test[name]:.2f}")
         ax.set_xscale("log")
         ax.set_xlabel("samples consumed (log scale)")
@@ -409,7 +404,8 @@ def draw_train_small_loss(path):
     axes[1].text(170, math.log(2) + 0.02, "ln 2: chance", fontsize=8, color=COLORS["neutral"])
     axes[0].set_ylabel("loss (a log line: mean of 10 iterations)")
     axes[0].legend(fontsize=7.5, loc="lower left")
-    fig.suptitle("The small BERT on Python's docs, one H200, bf16 (chapters/logs/)", fontsize=10)
+    fig.suptitle("The small BERT on Python's docs, bf16: one H200 (200 iterations), one H100 (1500) (chapters/logs/)",
+                 fontsize=10)
     save(fig, path)
 
 
