@@ -122,3 +122,35 @@ def draw_sweep(path):
 
 
 FIGURES = {"ch08_fp8_formats": draw_formats, "ch08_fp8_sweep": draw_sweep}
+
+
+def numerics_runs():
+    """{run name: (iterations, lm loss, lm acc)} of the committed bench/results/fp8_numerics_* (bench/fp8_steps.py
+    numerics): each run's curve is a '### NAME' heading followed by lines 'iteration loss acc'."""
+    runs, name = {}, None
+    for line in result("fp8_numerics_").read_text(encoding="utf-8").splitlines():
+        if line.startswith("### "):
+            name = line[4:].strip()
+            runs[name] = ([], [], [])
+        elif name and line and line[0].isdigit():
+            for series, value in zip(runs[name], line.split()):
+                series.append(float(value))
+    return runs
+
+
+def draw_curves(path):
+    """lm loss (left) and lm acc (right) of BERT-large over the iterations, bf16 and FP8 from one seed, with
+    the negative control."""
+    runs = numerics_runs()
+    colors = [COLORS["neutral"], COLORS["forward"], COLORS["backward"], COLORS["idle"]]
+    fig, (loss_ax, acc_ax) = figure(3.3, ncols=2)
+    for (name, (iters, loss, acc)), color in zip(runs.items(), colors):
+        style = ":" if "control" in name else "-"
+        loss_ax.plot(iters, loss, style, color=color, lw=1.0, label=name)
+        acc_ax.plot(iters, acc, style, color=color, lw=1.0, label=name)
+    loss_ax.set_ylabel("lm loss")
+    acc_ax.set_ylabel("lm acc (masked tokens predicted)")
+    for ax in (loss_ax, acc_ax):
+        ax.set_xlabel("iteration")
+    loss_ax.legend(fontsize=8, frameon=False)
+    save(fig, path)
