@@ -3,7 +3,7 @@ curves of a longer run.
 
     python bench/fp8_steps.py steps    [--rounds 2] [--iters 30] [--layers-4b 8] [--micro-batches-4b 4,16]
                                        [--global-batch-4b 32] [--output PATH]
-    python bench/fp8_steps.py numerics [--iters 1500] [--output PATH] [--logs DIR]
+    python bench/fp8_steps.py numerics [--iters 1500] [--global-batch 16] [--output PATH] [--logs DIR]
 
 steps: BERT-large (seq 512, micro-batch 32, CUDA graphs) and the 4B preset's layer shape (hidden 2560, 32
 heads, seq 512, micro-batch 4 or those of --micro-batches-4b, the recipe's global batch of 32 sequences
@@ -12,10 +12,11 @@ in bf16, FP8 with delayed scaling and FP8 with tensorwise scaling (hybrid format
 in each round; a run's time is the median of its logged "elapsed time per iteration" after the first two
 log intervals (warm-up and capture). The ratio is bf16's time / FP8's (above 1: FP8 is faster).
 
-numerics: BERT-large at seq 128 (micro-batch 16, CUDA graphs) for --iters iterations on the long-document
-corpus from one seed, in bf16, FP8 delayed, FP8 tensorwise, and a negative control that must fail the check
-(e4m3 for the gradients too, every scale 2^16 too small: --fp8-format e4m3 --fp8-margin 16). The check: the
-mean lm loss and lm acc of the last 100 iterations within 1.5% (relative) of bf16's. Each run's log is kept
+numerics: BERT-large at seq 128 (micro-batch 16, --global-batch sequences a step, CUDA graphs) for --iters
+iterations on the long-document corpus from one seed, in bf16, FP8 delayed, FP8 tensorwise, and a negative
+control that must fail the check (e4m3 for the gradients too, every scale 2^16 too small: --fp8-format e4m3
+--fp8-margin 16). The check: the mean lm loss and lm acc of the last 100 iterations within 1.5% (relative)
+of bf16's, which means something only once the runs have left the loss plateau (bench/results/fp8_numerics_*). Each run's log is kept
 in --logs (chapters/figures draws the curves from them).
 
 The corpus is minibert.data.corpus --long-documents, preprocessed once into --work-dir."""
@@ -87,7 +88,7 @@ def steps(args, data, out):
 
 def numerics(args, data, out):
     runs = {**{name: extra for name, extra in VARIANTS.items()}, CONTROL[0]: CONTROL[1]}
-    flags = shape(24, 1024, 16, 128, 16) + ["--cuda-graph-impl", "local"]
+    flags = shape(24, 1024, 16, 128, 16, args.global_batch) + ["--cuda-graph-impl", "local"]
     os.makedirs(args.logs, exist_ok=True)
     last = {}
     for name, extra in runs.items():
@@ -141,6 +142,8 @@ def main(argv=None):
                              "of 4 a step on one GPU); a micro-batch larger than it makes a step of one micro-batch")
     parser.add_argument("--work-dir", default=os.path.join(ROOT, "runs", "fp8-bench"))
     parser.add_argument("--logs", default=None, help="numerics: where each run's log goes (default: the work dir)")
+    parser.add_argument("--global-batch", type=int, default=16,
+                        help="numerics: sequences a step, in micro-batches of 16 (default 16: one micro-batch)")
     parser.add_argument("--output", default=None, help="also append the table to this file")
     args = parser.parse_args(argv)
     args.iters = args.iters or (30 if args.what == "steps" else 1500)
