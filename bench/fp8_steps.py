@@ -16,8 +16,8 @@ numerics: BERT-large at seq 128 (micro-batch 16, --global-batch sequences a step
 iterations on the long-document corpus from one seed, in bf16, FP8 delayed, FP8 tensorwise, and a negative
 control that must fail the check (e4m3 for the gradients too, every scale 2^16 too small: --fp8-format e4m3
 --fp8-margin 16). The check: the mean lm loss and lm acc of the last 100 iterations within 1.5% (relative)
-of bf16's, which means something only once the runs have left the loss plateau (bench/results/fp8_numerics_*). Each run's log is kept
-in --logs (chapters/figures draws the curves from them).
+of bf16's, which means something only once the runs have left the loss plateau (bench/results/fp8_numerics_*).
+Each run's log is kept in --logs (chapters/figures draws the curves from them).
 
 The corpus is minibert.data.corpus --long-documents, preprocessed once into --work-dir."""
 import argparse
