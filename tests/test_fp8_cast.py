@@ -30,3 +30,7 @@ def test_the_cast_writes_the_copy_its_transpose_the_padding_and_the_amax(dtype, 
     assert float(amax) == float(x.abs().max())  # the running max took this tensor's
     out2, none = fp8_cast.cast(x, dtype, scale, fp8.FP8_MAX[dtype])  # no amax, no transpose, no padding
     assert none is None and torch.equal(out2.view(torch.uint8), out[:m].view(torch.uint8))
+    into = torch.empty_like(out), torch.empty_like(out_t)  # the weights' copies: cast into the same tensors
+    written = fp8_cast.cast(x, dtype, scale, fp8.FP8_MAX[dtype], None, rows, True, *into)
+    assert all(w is t for w, t in zip(written, into))
+    assert torch.equal(into[0].view(torch.uint8), out.view(torch.uint8)) and torch.equal(into[1], out_t)

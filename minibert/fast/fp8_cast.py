@@ -51,9 +51,12 @@ def cast(x, dtype, scale, fp8_max, amax=None, rows=None, transpose=False, out=No
     m, k = x.shape
     rows = m if rows is None else rows
     assert x.stride(1) == 1 and rows >= m
-    out = torch.empty(rows, k, dtype=dtype, device=x.device) if out is None else out
-    out_t = (torch.empty(k, rows, dtype=dtype, device=x.device) if out_t is None else out_t) if transpose else out
+    if out is None:
+        out = torch.empty(rows, k, dtype=dtype, device=x.device)
+    if transpose and out_t is None:
+        out_t = torch.empty(k, rows, dtype=dtype, device=x.device)
     grid = (triton.cdiv(rows, BLOCK_M), triton.cdiv(k, BLOCK_K))
-    _cast_kernel[grid](x, scale, amax if amax is not None else scale, out, out_t, m, k, rows, x.stride(0),
-                       fp8_max, RECORD=amax is not None, TRANSPOSE=transpose, BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K)
+    _cast_kernel[grid](x, scale, amax if amax is not None else scale, out, out_t if transpose else out, m, k,
+                       rows, x.stride(0), fp8_max, RECORD=amax is not None, TRANSPOSE=transpose,
+                       BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K)
     return out, (out_t if transpose else None)
