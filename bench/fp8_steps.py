@@ -3,7 +3,8 @@ curves of a longer run.
 
     python bench/fp8_steps.py steps    [--rounds 2] [--iters 30] [--layers-4b 8] [--micro-batches-4b 4,16]
                                        [--global-batch-4b 32] [--output PATH]
-    python bench/fp8_steps.py numerics [--iters 1500] [--global-batch 16] [--output PATH] [--logs DIR]
+    python bench/fp8_steps.py numerics [--iters 1500] [--global-batch 16] [--micro-batch 16] [--lr 1e-4]
+                                       [--output PATH] [--logs DIR]
 
 steps: BERT-large (seq 512, micro-batch 32, CUDA graphs) and the 4B preset's layer shape (hidden 2560, 32
 heads, seq 512, micro-batch 4 or those of --micro-batches-4b, the recipe's global batch of 32 sequences
@@ -12,8 +13,8 @@ in bf16, FP8 with delayed scaling and FP8 with tensorwise scaling (hybrid format
 in each round; a run's time is the median of its logged "elapsed time per iteration" after the first two
 log intervals (warm-up and capture). The ratio is bf16's time / FP8's (above 1: FP8 is faster).
 
-numerics: BERT-large at seq 128 (micro-batch 16, --global-batch sequences a step, CUDA graphs) for --iters
-iterations on the long-document corpus from one seed, in bf16, FP8 delayed, FP8 tensorwise, and a negative
+numerics: BERT-large at seq 128 (--micro-batch, --global-batch sequences a step, peak --lr, CUDA graphs) for
+--iters iterations on the long-document corpus from one seed, in bf16, FP8 delayed, FP8 tensorwise, and a negative
 control that must fail the check (e4m3 for the gradients too, every scale 2^16 too small: --fp8-format e4m3
 --fp8-margin 16). The check: the mean lm loss and lm acc of the last 100 iterations within 1.5% (relative)
 of bf16's, which means something only once the runs have left the loss plateau (bench/results/fp8_numerics_*).
@@ -46,10 +47,10 @@ def shape(layers, hidden, heads, seq, micro, global_batch=None):
             "--global-batch-size", max(global_batch or micro, micro)]
 
 
-def train(args, data, iters, log_interval, log_path=None):
+def train(args, data, iters, log_interval, log_path=None, lr=1e-4):
     """Run minibert/train.py; -> [(iteration, ms per iteration, lm loss, lm acc)] of its log lines."""
     command = [sys.executable, os.path.join(ROOT, "minibert", "train.py"), "--bf16", "--train-iters", iters,
-               "--lr", "1e-4", "--lr-warmup-fraction", "0.1", "--min-lr", "1e-5", "--lr-decay-iters", iters,
+               "--lr", lr, "--lr-warmup-fraction", "0.1", "--min-lr", "1e-5", "--lr-decay-iters", iters,
                "--data-path", data, "--vocab-file", VOCAB, "--split", "980,10,10", "--log-interval", log_interval,
                "--eval-iters", 0, "--seed", 1234, *args]
     result = subprocess.run([str(c) for c in command], capture_output=True, text=True, cwd=ROOT)
@@ -88,13 +89,14 @@ def steps(args, data, out):
 
 def numerics(args, data, out):
     runs = {**{name: extra for name, extra in VARIANTS.items()}, CONTROL[0]: CONTROL[1]}
-    flags = shape(24, 1024, 16, 128, 16, args.global_batch) + ["--cuda-graph-impl", "local"]
+    flags = shape(24, 1024, 16, 128, args.micro_batch, args.global_batch) + ["--cuda-graph-impl", "local"]
     os.makedirs(args.logs, exist_ok=True)
     last = {}
     for name, extra in runs.items():
         start = time.time()
         slug = re.sub(r"[^a-z0-9]+", "_", name.split(",")[0].lower()).strip("_") + ("_control" if "control" in name else "")
-        rows = train(flags + extra, data, args.iters, 10, os.path.join(args.logs, f"fp8_numerics_{slug}.log"))
+        rows = train(flags + extra, data, args.iters, 10, os.path.join(args.logs, f"fp8_numerics_{slug}.log"),
+                     args.lr)
         tail = [r for r in rows if r[0] > args.iters - 100]
         last[name] = (statistics.mean(r[2] for r in tail), statistics.mean(r[3] for r in tail)) if tail else None
         print(f"{name}: {len(rows)} log lines in {time.time() - start:.0f} s; last 100: {last[name]}", flush=True)
@@ -143,7 +145,9 @@ def main(argv=None):
     parser.add_argument("--work-dir", default=os.path.join(ROOT, "runs", "fp8-bench"))
     parser.add_argument("--logs", default=None, help="numerics: where each run's log goes (default: the work dir)")
     parser.add_argument("--global-batch", type=int, default=16,
-                        help="numerics: sequences a step, in micro-batches of 16 (default 16: one micro-batch)")
+                        help="numerics: sequences a step (default 16: one micro-batch)")
+    parser.add_argument("--micro-batch", type=int, default=16, help="numerics: sequences a micro-batch (default 16)")
+    parser.add_argument("--lr", type=float, default=1e-4, help="numerics: the peak learning rate (default 1e-4)")
     parser.add_argument("--output", default=None, help="also append the table to this file")
     args = parser.parse_args(argv)
     args.iters = args.iters or (30 if args.what == "steps" else 1500)
