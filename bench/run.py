@@ -57,10 +57,20 @@ def format_value(value):
     return str(value)
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--output", default="BENCHMARKS.md", help="where to write the markdown table")
-    args = parser.parse_args()
+    parser.add_argument("--only", action="append", default=[], metavar="TEXT",
+                        help="run only the sections whose title contains TEXT (repeatable; e.g. --only FP8); "
+                             "the table then goes to --output, never over BENCHMARKS.md")
+    args = parser.parse_args(argv)
+    sections = [(t, m) for t, m in SECTIONS if not args.only or any(o.lower() in t.lower() for o in args.only)]
+    if not sections:
+        parser.exit(2, f"error: no section's title contains {' or '.join(map(repr, args.only))}; the titles: "
+                       f"{'; '.join(t for t, _ in SECTIONS)}\n")
+    if args.only and os.path.abspath(args.output) == os.path.join(ROOT, "BENCHMARKS.md"):
+        parser.exit(2, "error: --only writes part of the benchmarks; give it --output PATH (BENCHMARKS.md holds "
+                       "a whole run)\n")
     if not torch.cuda.is_available():
         sys.exit("error: make bench measures GPU kernels; run it on a machine with a CUDA GPU")
 
@@ -71,8 +81,9 @@ def main():
              f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
              f"- torch {torch.__version__}, triton {triton.__version__}, CUDA {torch.version.cuda}, "
              f"Python {platform.python_version()}",
-             f"- command: `make bench BENCH_OUT={args.output}`", ""]
-    for number, (title, module) in enumerate(SECTIONS):
+             f"- command: `make bench BENCH_OUT={args.output}`" if not args.only else
+             f"- command: `python bench/run.py {' '.join(f'--only {o!r}' for o in args.only)} --output PATH`", ""]
+    for number, (title, module) in enumerate(sections):
         print(f"== {title}", flush=True)
         rows = module.run()
         lines += [f"## {title}", "", "| measurement | value | unit | notes |", "|---|---|---|---|"]
@@ -82,7 +93,7 @@ def main():
             print("  " + " | ".join(cells), flush=True)
         lines.append("")
         # written after every section, so that a run stopped part-way (a time limit) keeps what it measured
-        left = [t for t, _ in SECTIONS[number + 1:]]
+        left = [t for t, _ in sections[number + 1:]]
         note = [f"(incomplete: the run stopped before: {'; '.join(left)})", ""] if left else []
         text = "\n".join(lines + note) + "\n"
         atomic_write(args.output, lambda f: f.write(text), text=True, make_dirs=True)

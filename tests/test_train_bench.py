@@ -105,3 +105,22 @@ def test_profile_steps_puts_kernels_in_their_categories():
     assert "| wall clock | 10.0 | 4.0 |" in lines and "| all kernels | 5.5 | 0.0 |" in lines
     assert "| matrix multiplies | 4.00 | 0.00 |" in lines and "| attention | 1.50 | 0.00 |" in lines
     assert "| `nvjet_x` | matrix multiplies | 3.00 |" in lines and not any("b | c, its" in line for line in lines)
+
+
+def test_make_bench_only_refuses_an_unknown_section_and_writing_part_over_benchmarks_md(capsys):
+    """bench/run.py --only: argument errors in-process (one line, exit 2), before any GPU check."""
+    import pytest
+    sys.path.insert(0, ROOT)
+    from bench import run as bench_run
+    with pytest.raises(SystemExit) as stop:
+        bench_run.main(["--only", "no such section", "--output", os.path.join(ROOT, "x.md")])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and "no section's title contains 'no such section'" in err and "FP8" in err
+    assert len(err.strip().splitlines()) == 1
+    with pytest.raises(SystemExit) as stop:
+        bench_run.main(["--only", "FP8"])  # the default --output, BENCHMARKS.md, holds a whole run
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and "give it --output PATH" in err and len(err.strip().splitlines()) == 1
+    assert [t for t, _ in bench_run.SECTIONS if "fp8" in t.lower()] == [
+        "FP8 against bf16, one Linear of each preset's layer (minibert/fast/fp8.py, fp8_cast.py)",
+        "FP8 against bf16, whole BERT-large steps (bench/fp8_steps.py)"]
