@@ -124,3 +124,16 @@ def test_make_bench_only_refuses_an_unknown_section_and_writing_part_over_benchm
     assert [t for t, _ in bench_run.SECTIONS if "fp8" in t.lower()] == [
         "FP8 against bf16, one Linear of each preset's layer (minibert/fast/fp8.py, fp8_cast.py)",
         "FP8 against bf16, whole BERT-large steps (bench/fp8_steps.py)"]
+
+
+def test_fp8_numerics_check_judges_each_run_by_the_tolerance_and_by_the_seeds_spread():
+    sys.path.insert(0, ROOT)
+    from bench.fp8_steps import CONTROL, check
+    last = {"bf16": (4.0, 0.20), "bf16, seed 4321": (4.16, 0.18),  # the spread: 4% in loss, 10% in accuracy
+            "fp8 delayed": (4.08, 0.19), "fp8 tensorwise": (4.04, 0.199), CONTROL[0]: (5.0, 0.19), "broken": None}
+    rows = {line.split(" | ")[0].lstrip("| "): [c.strip(" |") for c in line.split(" | ")[1:]]
+            for line in check(last, 1500) if line.startswith("| ") and "---" not in line}
+    assert rows["fp8 delayed"][2:] == ["+2.00%", "-5.00%", "FAIL", "pass"]  # past 1.5%, inside the seeds' spread
+    assert rows["fp8 tensorwise"][4:] == ["pass", "pass"]
+    assert rows[CONTROL[0]][2:] == ["+25.00%", "-5.00%", "FAIL", "FAIL"]  # the loss is far outside the spread
+    assert rows["bf16, seed 4321"][4:] == ["FAIL", "(the spread)"] and rows["broken"][0] == "failed"
