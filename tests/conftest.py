@@ -16,6 +16,14 @@ import torch  # noqa: E402
 
 torch.set_num_threads(1)
 
+# Hypothesis keeps its example database and constants cache in ./.hypothesis by default, which is the
+# repository: a notebook test running beside a fuzz test would see files appear that it did not make.
+import tempfile  # noqa: E402
+
+from hypothesis.configuration import set_hypothesis_home_dir  # noqa: E402
+
+set_hypothesis_home_dir(os.path.join(tempfile.gettempdir(), "minibert-hypothesis"))
+
 import subprocess  # noqa: E402
 
 
