@@ -115,8 +115,10 @@ def check(last, iters, tolerance=0.015):
             continue
         dl, da = value[0] / base[0] - 1, value[1] / base[1] - 1
         close = "pass" if abs(dl) <= tolerance and abs(da) <= tolerance else "FAIL"
-        if name in ("bf16", "bf16, seed 4321") or spread is None:
-            within = "(the spread)" if name == "bf16, seed 4321" else ""
+        if name == "bf16, seed 4321":
+            within = "(the spread)"
+        elif name == "bf16" or spread is None:
+            within = ""
         else:
             within = "pass" if abs(dl) <= spread[0] and abs(da) <= spread[1] else "FAIL"
         lines.append(f"| {name} | {value[0]:.4f} | {value[1]:.4f} | {100 * dl:+.2f}% | {100 * da:+.2f}% | {close} | "
